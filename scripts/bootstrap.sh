@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Install everything the testbed needs: Debian packages, a venv that sees
+# Debian's mininet, and pinned Python packages. Idempotent: a second run only
+# checks and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NIXL_PIN="nixl-cu12==1.5.1"
+VENV=.venv
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "bootstrap: must run as root (it installs Debian packages; the testbed needs namespaces and tc)." >&2
+    exit 1
+fi
+
+# command -> Debian package providing it
+declare -A NEED=(
+    [mnexec]=mininet [brctl]=bridge-utils [iperf3]=iperf3 [fio]=fio
+    [nft]=nftables [tcpdump]=tcpdump [tc]=iproute2 [ip]=iproute2
+)
+missing=()
+for cmd in "${!NEED[@]}"; do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("${NEED[$cmd]}")
+done
+if [ ! -d /usr/lib/python3/dist-packages/mininet ]; then missing+=(mininet); fi
+if [ ! -f /usr/lib/python3.11/venv/__init__.py ] && ! /usr/bin/python3 -c 'import ensurepip' 2>/dev/null; then
+    missing+=(python3-venv)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+    pkgs=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
+    echo "bootstrap: installing Debian packages: $pkgs"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # iperf3 asks whether to start a daemon; answer no.
+    echo "iperf3 iperf3/start_daemon boolean false" | debconf-set-selections
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $pkgs python3-venv >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "bootstrap: creating $VENV (Debian python3 with system site-packages, for mininet)"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+fi
+
+# Reinstall Python packages only when the pins or the package metadata changed.
+stamp="$VENV/.bootstrap-stamp"
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_PIN
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "bootstrap: installing pinned Python packages into $VENV"
+    pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
+    # torch first, alone: the pin selects the local CPU build.
+    "${pip[@]}" torch==2.13.0
+    "${pip[@]}" -r requirements.lock
+    "${pip[@]}" --no-deps "$NIXL_PIN"
+    "${pip[@]}" --no-deps --no-build-isolation -e .
+    echo "$want" > "$stamp"
+fi
+"$VENV/bin/python" -c 'import mininet.net, torch, nixl_cu12, dualpath, testbed' \
+    || { echo "bootstrap: the venv is broken; remove $VENV and run again" >&2; exit 1; }
