@@ -1,0 +1,397 @@
+"""Transport benchmarks and byte-exact checks between two processes (e.g. two engine namespaces).
+
+    # in the target's namespace
+    python -m dualpath.transport.bench --role target --iface eth0 --bind-ip 10.0.0.2
+    # in the initiator's namespace
+    python -m dualpath.transport.bench --role initiator --iface eth0 --peer-ip 10.0.0.2 \
+        [--mode bench|check] [--iperf3] [--json out.json]
+
+The two exchange metadata over a ZeroMQ REQ/REP control socket (outside the kv port range);
+every loop is bounded in count and time. The target is passive: it registers a DRAM and an
+"HBM" region, serves digests of them, reports notifications it received, and can start a
+one-shot iperf3 server so that the same run measures iperf3 on the same link.
+
+The initiator prints one JSON object: READ/WRITE GB/s (best and median of --reps), submission
+overhead per descriptor batched vs one by one, optionally iperf3 and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .agent import DEFAULT_PROGRESS_DELAY_US, Agent, contiguous_descs
+from .env import TransportError, parse_port_range
+
+CONTROL_PORT = 5557
+DEFAULT_SIZE = 64 << 20
+MAX_CONTROL_MSGS = 10_000
+
+
+class ControlError(TransportError):
+    """The control channel to the peer process failed or timed out."""
+
+
+class Control:
+    """A ZeroMQ REQ (initiator) or REP (target) socket carrying msgpack dicts, with timeouts."""
+
+    def __init__(self, role: str, ip: str, port: int, timeout_s: float):
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context.instance()
+        self.role = role
+        self.timeout_ms = int(timeout_s * 1000)
+        self.sock = self.ctx.socket(zmq.REP if role == "target" else zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{ip}:{port}"
+        if role == "target":
+            self.sock.bind(self.endpoint)
+        else:
+            self.sock.connect(self.endpoint)
+
+    def send(self, obj: dict) -> None:
+        self.sock.send(msgpack.packb(obj, use_bin_type=True))
+
+    def recv(self, timeout_s: float | None = None) -> dict:
+        ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
+        if not self.sock.poll(ms, self._zmq.POLLIN):
+            raise ControlError(f"{self.role}: no control message on {self.endpoint} within {ms / 1000:.1f} s")
+        return msgpack.unpackb(self.sock.recv(), raw=False)
+
+    def call(self, obj: dict, timeout_s: float | None = None) -> dict:
+        self.send(obj)
+        rep = self.recv(timeout_s)
+        if "error" in rep:
+            raise ControlError(f"peer error on {obj.get('cmd')!r}: {rep['error']}")
+        return rep
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def digest(buf: np.ndarray, ranges) -> str:
+    h = hashlib.sha256()
+    for off, ln in ranges:
+        h.update(memoryview(buf[int(off):int(off) + int(ln)]))
+    return h.hexdigest()
+
+
+def _tuning(args) -> dict[str, str]:
+    out = {}
+    for kv in args.ucx or []:
+        k, _, v = kv.partition("=")
+        out[k if k.startswith("UCX_") else "UCX_" + k] = v
+    return out
+
+
+def _agent(args, name: str) -> Agent:
+    return Agent(name, args.iface, args.traffic_class, args.transport,
+                 port_range=parse_port_range(args.port_range) if args.port_range else None,
+                 tuning=_tuning(args), progress_thread=not args.no_progress_thread,
+                 timeout_s=args.timeout, poll_sleep_s=args.poll_sleep,
+                 progress_delay_us=args.progress_delay_us)
+
+
+# ---------------------------------------------------------------------------------------------
+# target
+# ---------------------------------------------------------------------------------------------
+def run_target(args) -> dict:
+    agent = _agent(args, args.name or "bench-target")
+    regions = {"dram": pattern(args.size, args.seed), "hbm": pattern(args.size, args.seed + 1)}
+    for name, buf in regions.items():
+        agent.register(name, buf, kind=name)
+    ctl = Control("target", args.bind_ip, args.control_port, args.timeout)
+    iperf: subprocess.Popen | None = None
+    seen: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + args.max_time
+    served = 0
+    try:
+        while served < MAX_CONTROL_MSGS:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlError(f"target: gave up after --max-time {args.max_time:.0f} s")
+            msg = ctl.recv(min(left, args.timeout if served else args.max_time))
+            served += 1
+            cmd = msg.get("cmd")
+            try:
+                if cmd == "hello":
+                    peer = agent.add_peer(msg["md"])
+                    rep = {"md": agent.metadata(), "transport_in_use": agent.transport_in_use,
+                           "ucx_env": agent.ucx_env, "peer": peer, "size": args.size}
+                elif cmd == "digest":
+                    rep = {"sha256": digest(regions[msg["region"]], msg["ranges"])}
+                elif cmd == "refill":
+                    buf = regions[msg["region"]]
+                    buf[:] = pattern(buf.nbytes, int(msg["seed"]))
+                    rep = {"ok": True}
+                elif cmd == "notifs":
+                    want = [bytes(m) for m in msg.get("expect", [])]
+                    peer = msg.get("peer")
+                    t_end = time.monotonic() + float(msg.get("timeout", 5.0))
+                    while True:
+                        for p, ms in agent.get_notifs().items():
+                            seen.setdefault(p, []).extend(ms)
+                        have = seen.get(peer, []) if peer else [m for v in seen.values() for m in v]
+                        if all(w in have for w in want) or time.monotonic() > t_end:
+                            break
+                        time.sleep(0.001)
+                    rep = {"notifs": {p: list(v) for p, v in seen.items()}}
+                    seen = {}
+                elif cmd == "iperf3":
+                    if shutil.which("iperf3") is None:
+                        raise TransportError("iperf3 is not installed")
+                    iperf = subprocess.Popen(["iperf3", "-s", "-1", "-B", args.bind_ip,
+                                              "-p", str(msg["port"])],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(0.3)
+                    rep = {"ok": True}
+                elif cmd == "bye":
+                    ctl.send({"ok": True})
+                    return {"role": "target", "served": served, "transport_in_use": agent.transport_in_use}
+                else:
+                    rep = {"error": f"unknown command {cmd!r}"}
+            except Exception as e:  # report to the initiator instead of leaving it hanging
+                rep = {"error": f"{type(e).__name__}: {e}"}
+            ctl.send(rep)
+        raise ControlError(f"target: more than {MAX_CONTROL_MSGS} control messages")
+    finally:
+        if iperf is not None and iperf.poll() is None:
+            iperf.send_signal(signal.SIGTERM)
+            try:
+                iperf.wait(5)
+            except subprocess.TimeoutExpired:
+                iperf.kill()
+        ctl.close()
+        agent.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# initiator
+# ---------------------------------------------------------------------------------------------
+def _connect(args) -> tuple[Agent, Control, str, dict, dict]:
+    agent = _agent(args, args.name or "bench-initiator")
+    local = {"dram": np.zeros(args.size, dtype=np.uint8), "hbm": pattern(args.size, args.seed + 7)}
+    for name, buf in local.items():
+        agent.register(name, buf, kind=name)
+    ctl = Control("initiator", args.peer_ip, args.control_port, args.timeout)
+    # The target may still be starting: REQ queues the message until it binds; bounded wait.
+    hello = ctl.call({"cmd": "hello", "md": agent.metadata()}, timeout_s=args.connect_timeout)
+    peer = agent.add_peer(hello["md"])
+    if hello["size"] != args.size:
+        raise ControlError(f"target region size {hello['size']} != --size {args.size}")
+    return agent, ctl, peer, local, hello
+
+
+def measure_throughput(agent: Agent, peer: str, op: str, size: int, ndesc: int, reps: int,
+                       local: str = "hbm", remote: str = "dram") -> dict:
+    descs = contiguous_descs(size, ndesc)
+    agent.post(op, peer, local, remote, descs).wait()  # warm-up: connection, first-touch
+    rates = []
+    for r in range(reps):
+        st = agent.post(op, peer, local, remote, descs, layer=r).wait()
+        rates.append(st.gbps)
+    return {"op": op, "bytes": size, "ndesc": ndesc, "reps": reps,
+            "best_GBps": max(rates), "median_GBps": statistics.median(rates),
+            "all_GBps": [round(x, 4) for x in rates]}
+
+
+def measure_submission(agent: Agent, peer: str, op: str, ndesc: int, desc_len: int,
+                       reps: int) -> dict:
+    """Post `ndesc` scattered descriptors batched (1 request) vs one by one (ndesc requests)."""
+    stride = desc_len * 2  # gaps, so NIXL cannot merge neighbours into one region
+    descs = np.array([(i * stride, i * stride, desc_len) for i in range(ndesc)], dtype=np.int64)
+    out: dict[str, Any] = {"op": op, "ndesc": ndesc, "desc_len": desc_len, "reps": reps}
+    for mode in ("batch", "each"):
+        agent.post(op, peer, "hbm", "dram", descs, mode=mode).wait()
+        post_us, total_us = [], []
+        for _ in range(reps):
+            st = agent.post(op, peer, "hbm", "dram", descs, mode=mode).wait()
+            post_us.append(st.post_s / ndesc * 1e6)
+            total_us.append(st.total_s / ndesc * 1e6)
+        out[mode] = {"requests": ndesc if mode == "each" else 1,
+                     "post_us_per_desc_median": statistics.median(post_us),
+                     "total_us_per_desc_median": statistics.median(total_us),
+                     "post_us_per_desc_best": min(post_us),
+                     "total_us_per_desc_best": min(total_us)}
+    out["post_ratio_each_over_batch"] = (out["each"]["post_us_per_desc_median"]
+                                         / out["batch"]["post_us_per_desc_median"])
+    return out
+
+
+def run_iperf3(ctl: Control, peer_ip: str, port: int, seconds: float) -> dict:
+    ctl.call({"cmd": "iperf3", "port": port})
+    p = subprocess.run(["iperf3", "-c", peer_ip, "-p", str(port), "-t", str(seconds), "-J"],
+                       capture_output=True, text=True, timeout=seconds + 20)
+    if p.returncode != 0:
+        raise ControlError(f"iperf3 client failed: {p.stderr.strip() or p.stdout[-300:]}")
+    j = json.loads(p.stdout)
+    bps = j["end"]["sum_received"]["bits_per_second"]
+    return {"seconds": seconds, "port": port, "GBps": bps / 8 / 1e9, "Gbitps": bps / 1e9}
+
+
+def run_check(agent: Agent, ctl: Control, peer: str, local: dict, size: int) -> dict:
+    """Byte-exact READ and WRITE of scattered multi-descriptor lists, with notifications."""
+    rng = np.random.default_rng(12345)
+    res: dict[str, Any] = {}
+
+    def scattered(n: int) -> np.ndarray:
+        # distinct, non-overlapping, unequal slices; local and remote offsets differ
+        lens = rng.integers(1, max(2, size // (4 * n)), n)
+        lo = np.cumsum(np.concatenate([[0], lens[:-1] + rng.integers(0, 64, n - 1)]))
+        ro = np.cumsum(np.concatenate([[17], lens[:-1] + rng.integers(0, 4096, n - 1)]))
+        assert lo[-1] + lens[-1] <= size and ro[-1] + lens[-1] <= size
+        return np.stack([lo, ro, lens], axis=1)
+
+    # WRITE local hbm -> remote dram, one batch, notification
+    d = scattered(32)
+    agent.write(peer, "hbm", "dram", d, notif=b"check-write-L0", layer=0)
+    remote = ctl.call({"cmd": "digest", "region": "dram", "ranges": d[:, 1:].tolist()})["sha256"]
+    mine = digest(local["hbm"], d[:, [0, 2]].tolist())
+    n = ctl.call({"cmd": "notifs", "peer": agent.name, "expect": [b"check-write-L0"]})["notifs"]
+    res["write_batch"] = {"ndesc": len(d), "bytes": int(d[:, 2].sum()), "match": remote == mine,
+                          "notif": b"check-write-L0" in n.get(agent.name, [])}
+
+    # READ remote hbm -> local dram, one batch, notification
+    d = scattered(24)
+    agent.read(peer, "dram", "hbm", d, notif=b"check-read-L1", layer=1)
+    remote = ctl.call({"cmd": "digest", "region": "hbm", "ranges": d[:, 1:].tolist()})["sha256"]
+    mine = digest(local["dram"], d[:, [0, 2]].tolist())
+    n = ctl.call({"cmd": "notifs", "peer": agent.name, "expect": [b"check-read-L1"]})["notifs"]
+    res["read_batch"] = {"ndesc": len(d), "bytes": int(d[:, 2].sum()), "match": remote == mine,
+                         "notif": b"check-read-L1" in n.get(agent.name, [])}
+
+    # one by one: WRITE then READ back into a fresh area, notification after the last
+    local["hbm"][:] = pattern(size, 99)
+    d = scattered(16)
+    agent.write(peer, "hbm", "dram", d, notif=b"check-each-write", mode="each")
+    remote = ctl.call({"cmd": "digest", "region": "dram", "ranges": d[:, 1:].tolist()})["sha256"]
+    mine = digest(local["hbm"], d[:, [0, 2]].tolist())
+    n = ctl.call({"cmd": "notifs", "peer": agent.name, "expect": [b"check-each-write"]})["notifs"]
+    res["write_each"] = {"ndesc": len(d), "bytes": int(d[:, 2].sum()), "match": remote == mine,
+                         "notif": b"check-each-write" in n.get(agent.name, [])}
+    local["dram"][:] = 0
+    agent.read(peer, "dram", "dram", d, mode="each")
+    res["read_each"] = {"ndesc": len(d), "bytes": int(d[:, 2].sum()),
+                        "match": digest(local["dram"], d[:, [0, 2]].tolist()) == mine}
+
+    # a full-size single-descriptor round trip: WRITE all of hbm, READ it back into dram
+    whole = np.array([[0, 0, size]], dtype=np.int64)
+    local["hbm"][:] = pattern(size, 4242)
+    agent.write(peer, "hbm", "hbm", whole)
+    local["dram"][:] = 0
+    agent.read(peer, "dram", "hbm", whole)
+    res["full_roundtrip"] = {"bytes": size, "match": bool(np.array_equal(local["dram"], local["hbm"]))}
+    res["ok"] = all(v.get("match") and v.get("notif", True) for v in res.values() if isinstance(v, dict))
+    return res
+
+
+def run_initiator(args) -> dict:
+    agent, ctl, peer, local, hello = _connect(args)
+    out: dict[str, Any] = {
+        "role": "initiator", "mode": args.mode, "peer": peer,
+        "transport_in_use": agent.transport_in_use, "peer_transport_in_use": hello["transport_in_use"],
+        "ucx_env": agent.ucx_env, "size": args.size,
+    }
+    try:
+        if args.mode == "check":
+            out["check"] = run_check(agent, ctl, peer, local, args.size)
+        else:
+            tp = []
+            for nd in args.ndesc:
+                for op in ("READ", "WRITE"):
+                    tp.append(measure_throughput(agent, peer, op, args.size, nd, args.reps))
+            out["throughput"] = tp
+            out["READ_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == "READ")
+            out["WRITE_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == "WRITE")
+            out["READ_median_GBps"] = max(t["median_GBps"] for t in tp if t["op"] == "READ")
+            out["WRITE_median_GBps"] = max(t["median_GBps"] for t in tp if t["op"] == "WRITE")
+            if args.sub_ndesc:
+                out["submission"] = [measure_submission(agent, peer, op, args.sub_ndesc,
+                                                        args.sub_len, args.reps)
+                                     for op in ("WRITE", "READ")]
+            if args.iperf3:
+                ip = run_iperf3(ctl, args.peer_ip, args.iperf_port, args.iperf_seconds)
+                out["iperf3"] = ip
+                for op in ("READ", "WRITE"):
+                    out[f"{op}_over_iperf3_best"] = out[f"{op}_best_GBps"] / ip["GBps"]
+                    out[f"{op}_over_iperf3_median"] = out[f"{op}_median_GBps"] / ip["GBps"]
+        ctl.call({"cmd": "bye"})
+    finally:
+        ctl.close()
+        agent.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dualpath.transport.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=["target", "initiator"], required=True)
+    ap.add_argument("--iface", required=True, help="interface this agent must use")
+    ap.add_argument("--bind-ip", help="target: address to bind the control socket")
+    ap.add_argument("--peer-ip", help="initiator: the target's address")
+    ap.add_argument("--control-port", type=int, default=CONTROL_PORT)
+    ap.add_argument("--mode", choices=["bench", "check"], default="bench")
+    ap.add_argument("--name", help="agent name (default bench-<role>)")
+    ap.add_argument("--traffic-class", default="kv", choices=["kv", "model"])
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"])
+    ap.add_argument("--port-range", help="UCX listening sub-range, e.g. 42000-42099")
+    ap.add_argument("--ucx", action="append", metavar="KEY=VALUE",
+                    help="extra UCX tuning, e.g. TCP_SNDBUF=4m (repeatable)")
+    ap.add_argument("--size", type=lambda s: int(float(s)), default=DEFAULT_SIZE,
+                    help="bytes per region and per throughput transfer")
+    ap.add_argument("--ndesc", type=int, nargs="+", default=[1, 16],
+                    help="descriptors per throughput batch")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sub-ndesc", type=int, default=256, help="descriptors for the overhead test (0: skip)")
+    ap.add_argument("--sub-len", type=int, default=16 << 10)
+    ap.add_argument("--iperf3", action="store_true", help="also run iperf3 over the same link")
+    ap.add_argument("--iperf-port", type=int, default=5201)
+    ap.add_argument("--iperf-seconds", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=60.0, help="bound of each wait")
+    ap.add_argument("--connect-timeout", type=float, default=30.0)
+    ap.add_argument("--max-time", type=float, default=600.0, help="target: total lifetime bound")
+    ap.add_argument("--poll-sleep", type=float, default=0.0001)
+    ap.add_argument("--no-progress-thread", action="store_true")
+    ap.add_argument("--progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
+                    help="NIXL progress thread wait between polls (0 spins a core)")
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args(argv)
+    if args.role == "target" and not args.bind_ip:
+        ap.error("--bind-ip is required for the target")
+    if args.role == "initiator" and not args.peer_ip:
+        ap.error("--peer-ip is required for the initiator")
+    try:
+        res = run_target(args) if args.role == "target" else run_initiator(args)
+    except TransportError as e:
+        print(json.dumps({"role": args.role, "error": f"{type(e).__name__}: {e}"}), flush=True)
+        return 2
+    text = json.dumps(res, default=lambda b: b.decode(errors="replace") if isinstance(b, bytes) else str(b))
+    print(text, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if args.mode == "check" and args.role == "initiator" and not res["check"]["ok"]:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Transport: UCX environment checks, RDMA preflight, descriptor validation, and byte-exact
+READ/WRITE round trips between two processes in two network namespaces joined by a veth."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dualpath.traffic_classes import KV_PORT_RANGE
+from dualpath.transport import (
+    MODEL_PORT_RANGE,
+    Agent,
+    RdmaUnavailableError,
+    TransferTimeout,
+    TransportError,
+    UcxEnvError,
+    build_ucx_env,
+    contiguous_descs,
+    rdma_devices,
+)
+from dualpath.transport.agent import Transfer
+
+REPO = Path(__file__).resolve().parents[1]
+NS_A, NS_B = "dpt-xt-a", "dpt-xt-b"
+VETH_A, VETH_B = "dpt-xt-va", "dpt-xt-vb"
+IP_A, IP_B = "10.250.0.1", "10.250.0.2"
+
+
+# --------------------------------------------------------------------------------------------
+# UCX environment (pure, no NIXL)
+# --------------------------------------------------------------------------------------------
+def test_env_kv_defaults():
+    env = build_ucx_env("eth9", "kv", "tcp", base={})
+    assert env["UCX_TLS"] == "tcp"
+    assert env["UCX_NET_DEVICES"] == "eth9"
+    assert env["UCX_MODULES"] == "^ib"
+    lo, hi = map(int, env["UCX_TCP_PORT_RANGE"].split("-"))
+    assert KV_PORT_RANGE[0] <= lo <= hi <= KV_PORT_RANGE[1]
+
+
+def test_env_model_class_stays_out_of_kv_range():
+    env = build_ucx_env("eth9", "model", "tcp", base={})
+    assert env["UCX_TCP_PORT_RANGE"] == f"{MODEL_PORT_RANGE[0]}-{MODEL_PORT_RANGE[1]}"
+    with pytest.raises(UcxEnvError, match="overlaps the kv port range"):
+        build_ucx_env("eth9", "model", "tcp", base={"UCX_TCP_PORT_RANGE": "42000-42100"})
+
+
+def test_env_sub_range_per_agent():
+    env = build_ucx_env("eth9", "kv", "tcp", port_range=(42100, 42199), base={})
+    assert env["UCX_TCP_PORT_RANGE"] == "42100-42199"
+    with pytest.raises(UcxEnvError, match="not inside the kv port range"):
+        build_ucx_env("eth9", "kv", "tcp", port_range=(41000, 41999), base={})
+
+
+@pytest.mark.parametrize("tls", ["sm", "tcp,sm", "tcp,cma", "posix,tcp", "all", "^ib", "self",
+                                 "tcp,rc_verbs"])
+def test_env_rejects_bypassing_tls(tls):
+    with pytest.raises(UcxEnvError, match="UCX_TLS"):
+        build_ucx_env("eth9", "kv", "tcp", base={"UCX_TLS": tls})
+
+
+@pytest.mark.parametrize("tls", ["tcp", "tcp,self"])
+def test_env_accepts_tcp_tls(tls):
+    assert build_ucx_env("eth9", "kv", "tcp", base={"UCX_TLS": tls})["UCX_TLS"] == "tcp"
+
+
+def test_env_rejects_contradictions():
+    with pytest.raises(UcxEnvError, match="UCX_NET_DEVICES"):
+        build_ucx_env("eth9", "kv", "tcp", base={"UCX_NET_DEVICES": "eth0"})
+    with pytest.raises(UcxEnvError, match="UCX_MODULES"):
+        build_ucx_env("eth9", "kv", "tcp", base={"UCX_MODULES": "ib"})
+    with pytest.raises(UcxEnvError, match="UCX_TCP_PORT_RANGE"):
+        build_ucx_env("eth9", "kv", "tcp", base={"UCX_TCP_PORT_RANGE": "0"})
+    with pytest.raises(UcxEnvError, match="not inside the kv port range"):
+        build_ucx_env("eth9", "kv", "tcp", base={"UCX_TCP_PORT_RANGE": "50000-50010"})
+    with pytest.raises(TransportError, match="mandatory"):
+        build_ucx_env("eth9", "kv", "tcp", base={}, tuning={"UCX_TLS": "sm"})
+    # matching values are fine, and tuning passes through
+    env = build_ucx_env("eth9", "kv", "tcp", tuning={"UCX_TCP_SNDBUF": "4m"},
+                        base={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth9", "UCX_MODULES": "^ib",
+                              "UCX_TCP_PORT_RANGE": "42010-42019"})
+    assert env["UCX_TCP_PORT_RANGE"] == "42010-42019" and env["UCX_TCP_SNDBUF"] == "4m"
+
+
+@pytest.mark.skipif(bool(rdma_devices()), reason="this kernel has RDMA devices")
+def test_rdma_without_devices_is_an_error_not_a_fallback():
+    with pytest.raises(RdmaUnavailableError, match="does not fall back to TCP"):
+        Agent("rdma-probe", "lo", "kv", "rdma")
+
+
+def test_agent_refuses_sm_before_nixl_starts(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "sm")
+    with pytest.raises(UcxEnvError, match="bypass the emulated NICs"):
+        Agent("bad-env", "lo", "kv", "tcp")
+
+
+def test_wait_timeout_names_peer_and_layer():
+    class _Nx:
+        def check_xfer_state(self, h):
+            return "PROC"
+
+    class _H:
+        def release(self):
+            pass
+
+    class _A:
+        _nx = _Nx()
+        timeout_s = 0.05
+        poll_sleep_s = 0.001
+        transport_in_use = "ucx/tcp via test0"
+
+    x = Transfer(_A(), "READ", "engine-7", 13, [_H()], 4, 4096, time.perf_counter(),
+                 time.perf_counter(), None, False)
+    with pytest.raises(TransferTimeout, match=r"READ with peer 'engine-7' layer 13 .*0\.1 s"):
+        x.wait(timeout=0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# In-process agents over loopback: validation and a quick byte-exact round trip
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def restore_env():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def lo_pair(restore_env):
+    for k in [k for k in os.environ if k.startswith("UCX_")]:
+        del os.environ[k]
+    a = Agent("lo-a", "lo", port_range=(42900, 42949), timeout_s=20)
+    b = Agent("lo-b", "lo", port_range=(42950, 42999), timeout_s=20)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_loopback_roundtrip_and_validation(lo_pair):
+    a, b = lo_pair
+    assert a.transport_in_use == "ucx/tcp via lo"
+    n = 1 << 20
+    src = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    a.register("hbm", src, kind="hbm")
+    a.register("dram", np.zeros(n, dtype=np.uint8))
+    b.register("dram", dst)
+    peer = a.add_peer(b.metadata())
+    a_name = b.add_peer(a.metadata())
+    assert peer == "lo-b" and a_name == "lo-a"
+
+    d = [(0, 100, 1000), (5000, 9000, 70_000), (200_000, 300_000, 123_457)]
+    st = a.write(peer, "hbm", "dram", d, notif=b"L5", layer=5)
+    assert st.ndesc == 3 and st.requests == 1 and st.nbytes == sum(x[2] for x in d)
+    for lo, ro, ln in d:
+        assert np.array_equal(dst[ro:ro + ln], src[lo:lo + ln])
+    assert b.wait_notif("lo-a", b"L5", timeout=10) == b"L5"
+
+    st = a.read(peer, "dram", "dram", contiguous_descs(n, 8), mode="each")
+    assert st.requests == 8
+    assert np.array_equal(a.region("dram").buf, dst)
+
+    with pytest.raises(TransportError, match="runs past remote region"):
+        a.post("WRITE", peer, "hbm", "dram", [(0, n - 10, 11)])
+    with pytest.raises(TransportError, match="runs past local region"):
+        a.post("WRITE", peer, "hbm", "dram", [(n, 0, 1)])
+    with pytest.raises(TransportError, match="lengths > 0"):
+        a.post("WRITE", peer, "hbm", "dram", [(0, 0, 0)])
+    with pytest.raises(TransportError, match="no region 'nope'"):
+        a.post("READ", peer, "hbm", "nope", [(0, 0, 1)])
+    with pytest.raises(TransportError, match="unknown peer"):
+        a.post("READ", "ghost", "hbm", "dram", [(0, 0, 1)])
+    with pytest.raises(TransportError, match="already registered"):
+        a.register("hbm", src)
+
+
+# --------------------------------------------------------------------------------------------
+# Two namespaces, two processes, one veth
+# --------------------------------------------------------------------------------------------
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
+
+
+def _teardown_netns() -> None:
+    for ns in (NS_A, NS_B):
+        _sh("ip", "netns", "del", ns, check=False)
+    _sh("ip", "link", "del", VETH_A, check=False)
+
+
+@pytest.fixture(scope="module")
+def netns_pair():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    _teardown_netns()  # leftovers of an interrupted run
+    try:
+        try:
+            _sh("ip", "netns", "add", NS_A)
+            _sh("ip", "netns", "add", NS_B)
+            _sh("ip", "link", "add", VETH_A, "type", "veth", "peer", "name", VETH_B)
+            _sh("ip", "link", "set", VETH_A, "netns", NS_A)
+            _sh("ip", "link", "set", VETH_B, "netns", NS_B)
+            _sh("ip", "-n", NS_A, "addr", "add", f"{IP_A}/30", "dev", VETH_A)
+            _sh("ip", "-n", NS_B, "addr", "add", f"{IP_B}/30", "dev", VETH_B)
+            for ns, dev in ((NS_A, VETH_A), (NS_B, VETH_B)):
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+                _sh("ip", "-n", ns, "link", "set", dev, "up")
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot create namespaces here: {e.stderr.strip()}")
+        yield
+    finally:
+        _teardown_netns()
+
+
+def _counters(ns: str, dev: str) -> tuple[int, int]:
+    out = json.loads(_sh("ip", "-n", ns, "-s", "-j", "link", "show", dev).stdout)[0]["stats64"]
+    return out["rx"]["bytes"], out["tx"]["bytes"]
+
+
+def _bench(ns: str, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    iface = VETH_A if ns == NS_A else VETH_B
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dualpath.transport.bench",
+           "--role", role, "--iface", iface, "--timeout", "20", *args]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    full_env.update(env or {})
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON result in output:\n{text[-2000:]}")
+
+
+def _pair(target_args=(), initiator_args=(), env=None, timeout=90) -> tuple[dict, dict]:
+    tgt = _bench(NS_B, "target", "--bind-ip", IP_B, "--max-time", str(timeout), *target_args, env=env)
+    try:
+        ini = _bench(NS_A, "initiator", "--peer-ip", IP_B, *initiator_args, env=env)
+        try:
+            i_out, i_err = ini.communicate(timeout=timeout)
+        finally:
+            if ini.poll() is None:
+                ini.kill()
+                ini.wait()
+        t_out, t_err = tgt.communicate(timeout=30)
+    finally:
+        if tgt.poll() is None:
+            tgt.kill()
+            tgt.wait()
+    assert ini.returncode == 0, f"initiator rc={ini.returncode}\n{i_out[-3000:]}\n{i_err[-3000:]}"
+    assert tgt.returncode == 0, f"target rc={tgt.returncode}\n{t_out[-3000:]}\n{t_err[-3000:]}"
+    return _last_json(i_out), _last_json(t_out)
+
+
+@pytest.fixture(scope="module")
+def check_run(netns_pair):
+    before = {VETH_A: _counters(NS_A, VETH_A), VETH_B: _counters(NS_B, VETH_B)}
+    ini, tgt = _pair(("--size", str(16 << 20)), ("--size", str(16 << 20), "--mode", "check"))
+    after = {VETH_A: _counters(NS_A, VETH_A), VETH_B: _counters(NS_B, VETH_B)}
+    return ini, tgt, before, after
+
+
+@pytest.mark.root
+def test_netns_roundtrip_byte_exact(check_run):
+    ini, tgt, _, _ = check_run
+    assert ini["transport_in_use"] == f"ucx/tcp via {VETH_A}"
+    assert ini["peer_transport_in_use"] == f"ucx/tcp via {VETH_B}"
+    assert tgt["transport_in_use"] == f"ucx/tcp via {VETH_B}"
+    env = ini["ucx_env"]
+    assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == VETH_A and env["UCX_MODULES"] == "^ib"
+    c = ini["check"]
+    for key in ("write_batch", "read_batch", "write_each", "read_each", "full_roundtrip"):
+        assert c[key]["match"], f"{key}: bytes differ between the two sides: {c[key]}"
+    assert c["write_batch"]["ndesc"] > 1 and c["read_batch"]["ndesc"] > 1
+    # notifications are how the target learns a WRITE (or READ) finished
+    assert c["write_batch"]["notif"] and c["read_batch"]["notif"] and c["write_each"]["notif"]
+    assert c["ok"]
+
+
+@pytest.mark.root
+def test_netns_bytes_crossed_the_veth(check_run):
+    ini, _, before, after = check_run
+    c = ini["check"]
+    written = c["write_batch"]["bytes"] + c["write_each"]["bytes"] + c["full_roundtrip"]["bytes"]
+    read = c["read_batch"]["bytes"] + c["read_each"]["bytes"] + c["full_roundtrip"]["bytes"]
+    a_rx = after[VETH_A][0] - before[VETH_A][0]
+    a_tx = after[VETH_A][1] - before[VETH_A][1]
+    b_rx = after[VETH_B][0] - before[VETH_B][0]
+    b_tx = after[VETH_B][1] - before[VETH_B][1]
+    # WRITE payload leaves A and enters B; READ payload leaves B and enters A
+    assert a_tx >= written and b_rx >= written, (a_tx, b_rx, written)
+    assert b_tx >= read and a_rx >= read, (b_tx, a_rx, read)
+
+
+@pytest.mark.root
+def test_netns_bench_smoke(netns_pair):
+    args = ("--size", str(8 << 20))
+    ini, _ = _pair(args, (*args, "--ndesc", "1", "4", "--reps", "2", "--sub-ndesc", "16",
+                          "--sub-len", "4096", "--iperf3", "--iperf-seconds", "1"))
+    ops = {(t["op"], t["ndesc"]) for t in ini["throughput"]}
+    assert ops == {("READ", 1), ("WRITE", 1), ("READ", 4), ("WRITE", 4)}
+    assert all(t["best_GBps"] > 0 for t in ini["throughput"])
+    for s in ini["submission"]:
+        assert s["batch"]["requests"] == 1 and s["each"]["requests"] == 16
+    assert ini["iperf3"]["GBps"] > 0 and ini["READ_over_iperf3_best"] > 0
+
+
+@pytest.mark.root
+def test_netns_bad_env_is_refused(netns_pair):
+    p = _bench(NS_A, "initiator", "--peer-ip", IP_B, "--connect-timeout", "2", env={"UCX_TLS": "sm"})
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, (out, err)
+    res = _last_json(out)
+    assert "UcxEnvError" in res["error"] and "UCX_TLS" in res["error"]
