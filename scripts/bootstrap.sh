@@ -23,6 +23,8 @@ for cmd in "${!NEED[@]}"; do
     command -v "$cmd" >/dev/null 2>&1 || missing+=("${NEED[$cmd]}")
 done
 if [ ! -d /usr/lib/python3/dist-packages/mininet ]; then missing+=(mininet); fi
+# pyverbs, for `dualpath check --rdma` (it reports plainly when the kernel has no RDMA).
+if [ ! -d /usr/lib/python3/dist-packages/pyverbs ]; then missing+=(python3-pyverbs); fi
 if [ ! -f /usr/lib/python3.11/venv/__init__.py ] && ! /usr/bin/python3 -c 'import ensurepip' 2>/dev/null; then
     missing+=(python3-venv)
 fi

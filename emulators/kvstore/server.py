@@ -1,0 +1,353 @@
+"""The storage server: a BlockStore behind the store wire protocol.
+
+One thread per connection (requests on a connection are answered in order, so
+a client may pipeline them); a bounded number of connections; payloads are
+streamed in fixed chunks borrowed from a bounded pool, and get replies go out
+with sendfile() straight from the block file. Memory is therefore bounded by
+max_conns * (small per-connection buffer) + max_inflight_bytes, whatever the
+clients send.
+
+    python -m emulators.kvstore.server --listen 127.0.0.1:0 --root DIR --capacity-bytes N
+
+prints "LISTENING host:port" on stdout once it accepts connections.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from dualpath.store.errors import (
+    BadRequestError,
+    ProtocolError,
+    ServerBusyError,
+    StoreError,
+)
+from dualpath.store.keys import check_key
+from dualpath.store.protocol import OPS, PROTOCOL_VERSION, format_address, pack_frame, parse_address, recv_header
+
+from .storage import BlockStore, RecoveryReport
+
+log = logging.getLogger("emulators.kvstore.server")
+
+DRAIN_BYTES = 64 * 1024  # per-connection buffer: fallback for puts when the pool is empty
+MAX_HAS_KEYS = 1024  # a has-request's keys also fit the 64 KiB header limit
+
+
+class _BufferPool:
+    """A fixed set of chunk buffers: the server's bound on in-flight payload bytes."""
+
+    def __init__(self, chunk_bytes: int, max_inflight_bytes: int) -> None:
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        for _ in range(max(1, max_inflight_bytes // chunk_bytes)):
+            self._free.put(bytearray(chunk_bytes))
+
+    def acquire(self, timeout: float) -> bytearray | None:
+        try:
+            return self._free.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def release(self, buf: bytearray) -> None:
+        self._free.put(buf)
+
+
+class _CloseConnection(Exception):
+    """The stream can no longer be trusted to be in sync: reply, then hang up."""
+
+
+class StoreServer:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        listen: str | tuple[str, int] = ("127.0.0.1", 0),
+        *,
+        max_block_bytes: int = 256 << 20,
+        max_conns: int = 64,
+        chunk_bytes: int = 1 << 20,
+        max_inflight_bytes: int = 64 << 20,
+        verify_reads: bool = False,
+        idle_timeout_s: float = 600.0,
+        server_id: str = "",
+    ) -> None:
+        self.store = BlockStore(root, capacity_bytes, max_block_bytes)
+        self.listen = parse_address(listen)
+        self.max_conns = max_conns
+        self.verify_reads = verify_reads
+        self.idle_timeout_s = idle_timeout_s
+        self.server_id = server_id
+        self._pool = _BufferPool(chunk_bytes, max_inflight_bytes)
+        self._stop = threading.Event()
+        self._lsock: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self.recovery: RecoveryReport | None = None
+
+    # ---- lifecycle -------------------------------------------------------
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._lsock is None:
+            raise RuntimeError("server not started")
+        host, port = self._lsock.getsockname()[:2]
+        return host, port
+
+    def start(self) -> tuple[str, int]:
+        """Recover the root, bind, and accept in a background thread."""
+        self.recovery = self.store.open()
+        log.info("recovered %s", self.recovery)
+        host, port = self.listen
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host, port))
+            lsock.listen(128)
+            lsock.settimeout(0.5)  # so the accept loop notices stop() promptly
+        except BaseException:
+            lsock.close()
+            self.store.close()
+            raise
+        self._lsock = lsock
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvstore-accept", daemon=True)
+        self._accept_thread.start()
+        return self.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=5.0)
+        if self._lsock is not None:
+            self._lsock.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.store.close()
+
+    def __enter__(self) -> "StoreServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- connections -----------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._lsock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _peer = self._lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue  # e.g. EMFILE: keep serving the connections we have
+            with self._conns_lock:
+                full = len(self._conns) >= self.max_conns
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn,), name="kvstore-conn", daemon=True).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(1.0)
+            err = ServerBusyError(f"server at its limit of {self.max_conns} connections")
+            conn.sendall(pack_frame({"id": -1, "ok": False, "err": err.code, "msg": str(err), "key": None}))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        drain = bytearray(DRAIN_BYTES)
+        try:
+            conn.settimeout(self.idle_timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._stop.is_set():
+                try:
+                    req = recv_header(conn, eof_ok=True)
+                except ProtocolError:
+                    return
+                if req is None:
+                    return
+                try:
+                    self._handle(conn, req, drain)
+                except _CloseConnection:
+                    return
+        except (OSError, ProtocolError) as exc:
+            log.debug("connection ended: %s", exc)
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("unexpected error on a connection")
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    # ---- requests --------------------------------------------------------
+    def _reply_error(self, conn: socket.socket, rid: Any, err: StoreError) -> None:
+        conn.sendall(pack_frame({"id": rid, "ok": False, "err": err.code, "msg": str(err), "key": err.key}))
+
+    def _handle(self, conn: socket.socket, req: dict[str, Any], drain: bytearray) -> None:
+        rid, op, n = req.get("id"), req.get("op"), req.get("n", 0)
+        if not isinstance(rid, int) or not isinstance(n, int) or n < 0:
+            self._reply_error(conn, rid if isinstance(rid, int) else -1, BadRequestError("request needs an int id and n >= 0"))
+            raise _CloseConnection
+        if op == "put":
+            self._put(conn, rid, req, n, drain)
+            return
+        if n:  # only put carries a payload; the stream is out of sync otherwise
+            self._reply_error(conn, rid, BadRequestError(f"op {op!r} carries no payload"))
+            raise _CloseConnection
+        try:
+            if op == "get":
+                self._get(conn, rid, req, drain)
+                return
+            if op == "has":
+                keys = req.get("keys")
+                if not isinstance(keys, list) or len(keys) > MAX_HAS_KEYS:
+                    raise BadRequestError(f"has needs a list of at most {MAX_HAS_KEYS} keys")
+                have = [self.store.has(check_key(k)) for k in keys]
+                conn.sendall(pack_frame({"id": rid, "ok": True, "have": have}))
+            elif op == "delete":
+                deleted = self.store.delete(check_key(req.get("key")))
+                conn.sendall(pack_frame({"id": rid, "ok": True, "deleted": deleted}))
+            elif op == "stat":
+                st: dict[str, Any] = dict(self.store.stats())
+                st.update(id=rid, ok=True, v=PROTOCOL_VERSION, server_id=self.server_id)
+                conn.sendall(pack_frame(st))
+            else:
+                raise BadRequestError(f"unknown op {op!r}; expected one of {OPS}")
+        except StoreError as err:
+            self._reply_error(conn, rid, err)
+
+    def _get(self, conn: socket.socket, rid: int, req: dict[str, Any], scratch: bytearray) -> None:
+        key = req.get("key")
+        try:
+            handle = self.store.open_block(check_key(key))
+        except StoreError as err:
+            self._reply_error(conn, rid, err)
+            return
+        try:
+            if self.verify_reads:
+                try:
+                    self.store.verify(handle, memoryview(scratch))
+                except StoreError as err:
+                    self._reply_error(conn, rid, err)
+                    return
+            # MSG_MORE: let the header share a segment with the first payload bytes.
+            conn.sendall(pack_frame({"id": rid, "ok": True, "n": handle.payload_len, "crc": handle.payload_crc}), socket.MSG_MORE)
+            with os.fdopen(os.dup(handle.fd), "rb", buffering=0) as f:
+                sent = conn.sendfile(f, handle.payload_offset, handle.payload_len) if handle.payload_len else 0
+            if sent != handle.payload_len:  # the file shrank under us: the stream is now broken
+                raise _CloseConnection
+        finally:
+            handle.close()
+
+    def _put(self, conn: socket.socket, rid: int, req: dict[str, Any], n: int, drain: bytearray) -> None:
+        key, crc = req.get("key"), req.get("crc")
+        if n > self.store.max_block_bytes:
+            # Not worth draining; the client gets a reason and a closed connection.
+            self._reply_error(conn, rid, BadRequestError(f"block of {n} bytes exceeds max {self.store.max_block_bytes}", key=key if isinstance(key, str) else None))
+            raise _CloseConnection
+        err: StoreError | None = None
+        txn = None
+        try:
+            if not isinstance(crc, int):
+                raise BadRequestError("put needs an int crc", key=key if isinstance(key, str) else None)
+            txn = self.store.begin_put(check_key(key), n, crc)
+        except StoreError as e:
+            err = e
+        buf = self._pool.acquire(timeout=5.0) if (txn is not None and n) else None
+        view = memoryview(buf if buf is not None else drain)
+        try:
+            remaining = n
+            while remaining:  # always consume the whole payload to stay in sync
+                k = conn.recv_into(view, min(len(view), remaining))
+                if k == 0:
+                    raise ProtocolError(f"connection closed with {remaining} payload bytes to go")
+                remaining -= k
+                if txn is not None:
+                    try:
+                        txn.write(view[:k])
+                    except StoreError as e:
+                        err = e
+                        txn.abort()
+                        txn = None
+            new = False
+            if txn is not None:
+                new = txn.commit()
+                txn = None
+        except ProtocolError:
+            raise  # the stream is broken; _serve_conn hangs up
+        except StoreError as e:
+            err = e
+        finally:
+            if txn is not None:
+                txn.abort()  # connection lost mid-payload: nothing becomes visible
+            if buf is not None:
+                self._pool.release(buf)
+        if err is not None:
+            self._reply_error(conn, rid, err)
+        else:
+            conn.sendall(pack_frame({"id": rid, "ok": True, "new": new}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m emulators.kvstore.server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (port 0: pick a free one)")
+    ap.add_argument("--root", required=True, help="directory holding this server's blocks")
+    ap.add_argument("--capacity-bytes", type=int, required=True, help="bytes of blocks (headers included) to accept")
+    ap.add_argument("--max-block-bytes", type=int, default=256 << 20)
+    ap.add_argument("--max-conns", type=int, default=64)
+    ap.add_argument("--max-inflight-bytes", type=int, default=64 << 20, help="bound on buffered put payload")
+    ap.add_argument("--verify-reads", action="store_true", help="also check payload CRCs on the server before sending")
+    ap.add_argument("--server-id", default="")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    srv = StoreServer(
+        args.root,
+        args.capacity_bytes,
+        args.listen,
+        max_block_bytes=args.max_block_bytes,
+        max_conns=args.max_conns,
+        max_inflight_bytes=args.max_inflight_bytes,
+        verify_reads=args.verify_reads,
+        server_id=args.server_id,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        host, port = srv.start()
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"kvstore server: cannot start: {exc}", file=sys.stderr)
+        return 2
+    rec = srv.recovery
+    print(f"LISTENING {format_address(host, port)}", flush=True)
+    if rec is not None and rec.removed_temp_files:
+        log.warning("startup removed %d stale temp files", rec.removed_temp_files)
+    while not stop.wait(1.0):
+        pass
+    srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

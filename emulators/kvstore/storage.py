@@ -1,0 +1,335 @@
+"""Durable block storage on one root directory (no networking here).
+
+Crash safety rests on three rules:
+  1. A put writes a temp file in the block's own directory, fsyncs it, then
+     publishes it under its final name with link() (rename that never replaces:
+     the first writer of a key wins, a concurrent one sees EEXIST), unlinks the
+     temp name and fsyncs the directory. Only then is the put acknowledged.
+     So a final name always points at a complete, fsynced file.
+  2. Temp names start with TEMP_PREFIX, which no valid key can, so a temp file
+     can never be served; startup removes every one left by a crash.
+  3. Every read checks the header (magic, key, header CRC, length vs file size);
+     the payload CRC travels to the client, which checks it on every read.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.store.errors import (
+    BadRequestError,
+    CorruptBlockError,
+    MissingBlockError,
+    StoreError,
+    StoreFullError,
+    StoreIOError,
+)
+from dualpath.store.keys import check_key, is_valid_key
+
+from .blockfile import HEADER_SIZE, TEMP_PREFIX, all_fanout_names, decode_header, encode_header, fanout_dir
+
+log = logging.getLogger(__name__)
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: OSError, what: str, key: str | None) -> StoreError:
+    if exc.errno in _FULL_ERRNOS:
+        return StoreFullError(f"disk full while {what}" + (f" block {key}" if key else ""), key=key)
+    return StoreIOError(f"{what}" + (f" block {key}" if key else "") + f": {exc}", key=key)
+
+
+@dataclass
+class RecoveryReport:
+    removed_temp_files: int
+    blocks: int
+    used_bytes: int
+    ignored_entries: int
+
+
+@dataclass
+class BlockHandle:
+    """An open block file; the caller closes it (close()) after sending."""
+
+    key: str
+    fd: int
+    payload_len: int
+    payload_crc: int
+    payload_offset: int = HEADER_SIZE
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BlockStore:
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, max_block_bytes: int) -> None:
+        if capacity_bytes <= 0 or max_block_bytes <= 0:
+            raise ValueError("capacity_bytes and max_block_bytes must be positive")
+        self.root = Path(root)
+        self.blocks_dir = self.root / "blocks"
+        self.capacity_bytes = capacity_bytes
+        self.max_block_bytes = max_block_bytes
+        self._lock = threading.Lock()
+        self._used = 0  # bytes of published block files (headers included)
+        self._reserved = 0  # bytes promised to puts in progress
+        self._blocks = 0
+        self._lock_fd = -1
+        self._tmp_seq = itertools.count()
+
+    # ---- lifecycle -------------------------------------------------------
+    def open(self) -> RecoveryReport:
+        """Take the root's lock, create the layout and recover from a crash."""
+        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"another store server already uses root {self.root}") from None
+        self._lock_fd = fd
+        for name in all_fanout_names():
+            (self.blocks_dir / name).mkdir(exist_ok=True)
+        fsync_dir(self.blocks_dir)
+        fsync_dir(self.root)
+        return self._recover()
+
+    def _recover(self) -> RecoveryReport:
+        removed = blocks = used = ignored = 0
+        for name in all_fanout_names():
+            d = self.blocks_dir / name
+            touched = False
+            with os.scandir(d) as it:
+                for entry in it:
+                    if entry.name.startswith(TEMP_PREFIX):
+                        # A put that never got acknowledged: its bytes were never visible.
+                        os.unlink(entry.path)
+                        removed += 1
+                        touched = True
+                    elif is_valid_key(entry.name) and entry.name.startswith(name) and entry.is_file(follow_symlinks=False):
+                        blocks += 1
+                        used += entry.stat(follow_symlinks=False).st_size
+                    else:
+                        ignored += 1
+                        log.warning("ignoring unexpected entry %s", entry.path)
+            if touched:
+                fsync_dir(d)
+        with self._lock:
+            self._used, self._blocks, self._reserved = used, blocks, 0
+        return RecoveryReport(removed, blocks, used, ignored)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    # ---- queries ---------------------------------------------------------
+    def path_of(self, key: str) -> Path:
+        return fanout_dir(self.blocks_dir, check_key(key)) / key
+
+    def has(self, key: str) -> bool:
+        return self.path_of(key).is_file()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "used_bytes": self._used,
+                "reserved_bytes": self._reserved,
+                "capacity_bytes": self.capacity_bytes,
+                "blocks": self._blocks,
+            }
+
+    # ---- reads -----------------------------------------------------------
+    def open_block(self, key: str) -> BlockHandle:
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise MissingBlockError(f"block {key} not found", key=key) from None
+        except OSError as exc:
+            raise _os_error(exc, "opening", key) from None
+        try:
+            size = os.fstat(fd).st_size
+            n, crc = decode_header(os.pread(fd, HEADER_SIZE, 0), key)
+            if size != HEADER_SIZE + n:
+                raise CorruptBlockError(f"block {key}: file is {size} bytes, header says {HEADER_SIZE + n}", key=key)
+            return BlockHandle(key, fd, n, crc)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def verify(self, handle: BlockHandle, scratch: memoryview) -> None:
+        """Check the payload CRC on the server (optional: the client always checks)."""
+        crc, off, end = 0, handle.payload_offset, handle.payload_offset + handle.payload_len
+        while off < end:
+            k = os.preadv(handle.fd, [scratch[: min(len(scratch), end - off)]], off)
+            if k <= 0:
+                raise CorruptBlockError(f"block {handle.key}: short read", key=handle.key)
+            crc = zlib.crc32(scratch[:k], crc)
+            off += k
+        if crc != handle.payload_crc:
+            raise CorruptBlockError(f"block {handle.key}: payload checksum mismatch", key=handle.key)
+
+    # ---- writes ----------------------------------------------------------
+    def begin_put(self, key: str, payload_len: int, payload_crc: int) -> "PutTxn | None":
+        """A transaction to stream the payload into, or None if the block is already stored."""
+        check_key(key)
+        if not 0 <= payload_len <= self.max_block_bytes:
+            raise BadRequestError(f"block size {payload_len} outside [0, {self.max_block_bytes}]", key=key)
+        final = self.path_of(key)
+        if final.exists():
+            self._make_durable(final.parent, key)
+            return None
+        need = HEADER_SIZE + payload_len
+        with self._lock:
+            if self._used + self._reserved + need > self.capacity_bytes:
+                raise StoreFullError(
+                    f"capacity exceeded storing block {key}: used {self._used} + in flight "
+                    f"{self._reserved} + {need} > capacity {self.capacity_bytes} bytes",
+                    key=key,
+                )
+            self._reserved += need
+        try:
+            return PutTxn(self, key, payload_len, payload_crc, final)
+        except BaseException:
+            self._release(need)
+            raise
+
+    def delete(self, key: str) -> bool:
+        final = self.path_of(key)
+        try:
+            size = final.stat().st_size
+            os.unlink(final)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_error(exc, "deleting", key) from None
+        self._make_durable(final.parent, key)
+        with self._lock:
+            self._used -= size
+            self._blocks -= 1
+        return True
+
+    def _release(self, reserved: int) -> None:
+        with self._lock:
+            self._reserved -= reserved
+
+    def _published(self, reserved: int, size: int | None) -> None:
+        with self._lock:
+            self._reserved -= reserved
+            if size is not None:
+                self._used += size
+                self._blocks += 1
+
+    def _make_durable(self, directory: Path, key: str) -> None:
+        try:
+            fsync_dir(directory)
+        except OSError as exc:
+            raise _os_error(exc, "syncing directory of", key) from None
+
+    def _temp_name(self, key: str) -> str:
+        return f"{TEMP_PREFIX}{key}-{os.getpid()}-{next(self._tmp_seq)}"
+
+
+class PutTxn:
+    """One put in progress: write() the payload in chunks, then commit() or abort()."""
+
+    def __init__(self, store: BlockStore, key: str, payload_len: int, payload_crc: int, final: Path) -> None:
+        self.store, self.key, self.final = store, key, final
+        self.payload_len, self.payload_crc = payload_len, payload_crc
+        self.reserved = HEADER_SIZE + payload_len
+        self.tmp = final.parent / store._temp_name(key)
+        self.written = 0
+        self._crc = 0
+        self._done = False
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _os_error(exc, "creating temp file for", key) from None
+        try:
+            self._write_all(encode_header(key, payload_len, payload_crc))
+        except BaseException:
+            self.abort()
+            raise
+
+    def _write_all(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                k = os.write(self.fd, view)
+                view = view[k:]
+        except OSError as exc:
+            raise _os_error(exc, "writing", self.key) from None
+
+    def write(self, chunk: memoryview) -> None:
+        if self.written + len(chunk) > self.payload_len:
+            raise BadRequestError(f"block {self.key}: more payload than announced", key=self.key)
+        self._crc = zlib.crc32(chunk, self._crc)
+        self._write_all(chunk)
+        self.written += len(chunk)
+
+    def commit(self) -> bool:
+        """Make the block durable and visible. True if this put stored it, False if it already was."""
+        try:
+            if self.written != self.payload_len:
+                raise BadRequestError(f"block {self.key}: {self.written} of {self.payload_len} bytes", key=self.key)
+            if self._crc != self.payload_crc:
+                # Damaged on the way in: refuse it rather than store a block that fails every read.
+                raise CorruptBlockError(f"block {self.key}: payload checksum mismatch on put", key=self.key)
+            try:
+                os.fsync(self.fd)
+            except OSError as exc:
+                raise _os_error(exc, "syncing", self.key) from None
+            os.close(self.fd)
+            self.fd = -1
+            try:
+                os.link(self.tmp, self.final)
+                new = True
+            except FileExistsError:
+                new = False  # a concurrent put of the same key won; same bytes by construction
+            except OSError as exc:
+                raise _os_error(exc, "publishing", self.key) from None
+        except BaseException:
+            self.abort()
+            raise
+        # Visible from here on: account for it even if the steps below fail.
+        self._done = True
+        self.store._published(self.reserved, HEADER_SIZE + self.payload_len if new else None)
+        try:
+            os.unlink(self.tmp)
+        except OSError as exc:  # harmless: startup removes temp names
+            log.warning("could not remove %s: %s", self.tmp, exc)
+        # Not acknowledged until the directory entry itself is on disk.
+        self.store._make_durable(self.final.parent, self.key)
+        return new
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # leave it for the next startup's cleanup
+            log.warning("could not remove %s: %s", self.tmp, exc)
+        self.store._release(self.reserved)

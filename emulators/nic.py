@@ -1,0 +1,104 @@
+"""Emulated NICs: HTB shaping and the two QoS classes, as real tc commands.
+
+Each emulated NIC is one end of a veth pair. Shaping egress on both ends of
+the pair shapes both directions: the namespace end's egress is what the node
+sends, the bridge end's egress is what it receives. No IFB is needed.
+
+On compute NICs (CNICs) HTB has two classes that stand in for InfiniBand
+virtual lanes (DESIGN.md section 4): model (EF, prio 0, 240/255 of the link
+guaranteed) and kv (AF11, prio 1, 15/255 guaranteed), both may borrow up to
+the full link. u32 filters classify by the DS field; unmarked traffic goes to
+the model class. With QoS off there is one FIFO class.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dualpath.traffic_classes import KV, MODEL, TrafficClass
+
+ROOT_CLASS = "1:1"
+# Leaf class ids by traffic class; the single FIFO class when QoS is off.
+CLASS_IDS = {MODEL.name: "1:10", KV.name: "1:20"}
+FIFO_CLASS = "1:10"
+
+
+@dataclass(frozen=True)
+class NicShape:
+    """How one veth end is shaped."""
+
+    dev: str
+    rate_bps: int
+    classes: bool  # two DSCP classes (CNIC with QoS on) or one FIFO class
+    mtu: int = 1500
+
+
+def _burst_bytes(rate_bps: int, mtu: int) -> int:
+    # Veths hand HTB GSO segments of up to 64 KiB; a bucket smaller than one
+    # segment makes HTB undershoot its rate. 1 ms of line rate, at least 64 KiB.
+    return max(rate_bps // 8 // 1000, 64 * 1024 + mtu)
+
+
+def _queue_bytes(rate_bps: int) -> int:
+    # A shallow switch-like buffer (about 2 ms of line rate), so a bulk flow
+    # fills it and a FIFO link shows real drops instead of unbounded delay.
+    return max(rate_bps // 8 * 2 // 1000, 256 * 1024)
+
+
+def htb_batch(shape: NicShape, reshape: bool = False) -> str:
+    """The `tc -batch` script that shapes one device (`reshape`: it is shaped already)."""
+    d, r = shape.dev, shape.rate_bps
+    burst = _burst_bytes(r, shape.mtu)
+    queue = _queue_bytes(r)
+    # HTB cannot switch between one and two classes in place: start over.
+    lines = [f"qdisc del dev {d} root"] if reshape else []
+    lines += [
+        f"qdisc add dev {d} root handle 1: htb default {FIFO_CLASS.split(':')[1]} r2q 100",
+        f"class replace dev {d} parent 1: classid {ROOT_CLASS} htb rate {r}bit ceil {r}bit "
+        f"burst {burst}b cburst {burst}b",
+    ]
+    if shape.classes:
+        for tc in (MODEL, KV):
+            lines += _leaf(d, CLASS_IDS[tc.name], _class_rate(r, tc), r, tc.htb_prio, burst, queue)
+        # Match the DS field (top six bits of the TOS byte).
+        for tc in (MODEL, KV):
+            lines.append(
+                f"filter replace dev {d} parent 1: protocol ip prio {10 + tc.htb_prio} "
+                f"u32 match ip dsfield {tc.tos_byte:#04x} 0xfc flowid {CLASS_IDS[tc.name]}"
+            )
+    else:
+        lines += _leaf(d, FIFO_CLASS, r, r, 0, burst, queue)
+    return "\n".join(lines) + "\n"
+
+
+def _class_rate(link_bps: int, tc: TrafficClass) -> int:
+    total = MODEL.weight + KV.weight
+    return max(link_bps * tc.weight // total, 8000)
+
+
+def _leaf(dev: str, classid: str, rate: int, ceil: int, prio: int, burst: int, queue: int) -> list[str]:
+    handle = classid.split(":")[1]
+    return [
+        f"class replace dev {dev} parent {ROOT_CLASS} classid {classid} htb rate {rate}bit "
+        f"ceil {ceil}bit prio {prio} burst {burst}b cburst {burst}b",
+        f"qdisc replace dev {dev} parent {classid} handle {handle}: bfifo limit {queue}",
+    ]
+
+
+def class_for(classes: bool, tc: TrafficClass) -> str:
+    """The HTB class id that carries traffic class `tc` on a shaped device."""
+    return CLASS_IDS[tc.name] if classes else FIFO_CLASS
+
+
+_CLASS_RE = re.compile(r"^class htb (\S+) .*?\n Sent (\d+) bytes", re.M | re.S)
+
+
+def parse_class_stats(text: str) -> dict[str, int]:
+    """Bytes sent per HTB class id, from `tc -s class show` (its -j omits HTB stats)."""
+    return {m.group(1): int(m.group(2)) for m in _CLASS_RE.finditer(text)}
+
+
+def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:
+    from testbed.shell import run  # emulators stay importable without the testbed
+
+    return parse_class_stats(run(["tc", "-s", "class", "show", "dev", dev], ns=ns))

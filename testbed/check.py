@@ -1,0 +1,221 @@
+"""`dualpath check`: calibrate every emulated NIC kind against iperf3.
+
+For each NIC kind and direction an iperf3 flow crosses it while every other
+link on the path is at least as fast, so that NIC is the bottleneck. The
+fidelity monitor reads the wire bytes of that NIC from kernel counters. The
+configured HTB rate is a layer-2 rate, so the ratio reported is wire rate over
+configured rate; iperf3's goodput (TCP payload only, about 95.6 % of the wire
+at MTU 1500) is reported beside it.
+
+Then the priority test: a model-class UDP flow at 20 % of a CNIC beside a
+kv-class TCP flood into the same CNIC, once with QoS on and once with QoS off.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
+from emulators.nic import ROOT_CLASS, class_bytes, class_for
+from testbed.fabric import Fabric, Nic
+from testbed.iperf import FlowResult, client_argv, flow, IperfServer, parse_client
+from testbed.monitor import CPU_SATURATED, Monitor
+from testbed.shell import run
+
+RATE_OK = (0.93, 1.02)
+MODEL_KEEP_OK = 0.95  # QoS on: share of its rate the model flow must keep
+MODEL_SHARE = 0.20  # the model flow's rate, as a share of the CNIC
+TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
+BASE_PORT = 5201
+
+
+@dataclass
+class LinkResult:
+    nic_kind: str
+    device: str
+    direction: str  # in the node's view
+    traffic_class: str
+    configured_bps: int
+    wire_bps: float
+    goodput_bps: float
+    cpu_busy: float
+    ratio: float = 0.0
+    ok: bool = False
+    note: str = ""
+
+
+@dataclass
+class PriorityResult:
+    qos: bool
+    device: str
+    model_offered_bps: int
+    model_kept_bps: float
+    model_lost_percent: float
+    kv_goodput_bps: float
+    model_class_bytes: int  # kernel HTB counters on the CNIC's receiving side
+    kv_class_bytes: int
+    cpu_busy: float
+    kept_ratio: float = 0.0
+
+
+@dataclass
+class CheckReport:
+    topology: str
+    links: list[LinkResult] = field(default_factory=list)
+    priority: list[PriorityResult] = field(default_factory=list)
+    marking: dict[str, Any] = field(default_factory=dict)
+    cpu_saturated: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def _class_bytes(dev: str, classid: str, ns: str | None = None) -> int:
+    return class_bytes(dev, ns).get(classid, 0)
+
+
+def _measure_link(fab: Fabric, mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip: str,
+                  tos_class: Any, seconds: float, port: int) -> LinkResult:
+    """One TCP flow through `nic` in `direction`; the peer's links are at least as fast."""
+    src, dst, dst_ip = (nic.ns, peer_ns, peer_ip) if direction == "tx" else (peer_ns, nic.ns, nic.ip)
+    # The shaped egress of this direction: HTB counts every segment's headers
+    # (interface counters see a GSO bundle's headers once), so it gives the wire rate.
+    dev, ns = (nic.dev, nic.ns) if direction == "tx" else (nic.bridge_dev, None)
+    b0 = _class_bytes(dev, ROOT_CLASS, ns)
+    t0 = time.monotonic()
+    res = flow(src, dst, dst_ip, port, seconds, tos=tos_class.tos_byte)
+    t1 = time.monotonic()
+    wire = (_class_bytes(dev, ROOT_CLASS, ns) - b0) * 8 / res.seconds
+    w0, w1 = _steady_window(mon, t0, t1, seconds)
+    cpu = mon.cpu_busy(w0, w1)
+    r = LinkResult(nic.kind, nic.dev, direction, tos_class.name, nic.rate_bps, wire,
+                   res.goodput_bps, cpu)
+    r.ratio = wire / nic.rate_bps
+    r.ok = RATE_OK[0] <= r.ratio <= RATE_OK[1]
+    if not r.ok:
+        r.note = ("below rate while the CPU was saturated: the CPU, not the NIC, was the bottleneck"
+                  if cpu >= CPU_SATURATED else "outside the accepted band with CPU to spare")
+    return r
+
+
+def _steady_window(mon: Monitor, t0: float, t1: float, seconds: float) -> tuple[float, float]:
+    # The flow itself runs in the last `seconds` before t1; skip its edges.
+    start = max(t0, t1 - seconds)
+    return start + TRIM_S, t1 - TRIM_S
+
+
+def link_cases(fab: Fabric) -> list[tuple[Nic, str, str, str, Any]]:
+    """(nic, direction, peer namespace, peer ip, class) for each NIC kind and direction."""
+    p_node = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "host")
+    d_node = next(e for e in fab.endpoints if e.role == "decode" and e.kind == "host")
+    p_eng = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "engine")
+    store = next(e for e in fab.endpoints if e.kind == "storage")
+    cnic, d_hp = p_eng.nic("cnic"), d_node.nic("host_port")
+    hp, snic = p_node.nic("host_port"), p_node.nic("snic")
+    st = store.nic("storage_nic")
+    cases = []
+    # The decode node's host port (g*B) is faster than one CNIC (B).
+    for tc in (MODEL, KV):
+        cases.append((cnic, "tx", d_node.name, d_hp.ip, tc))
+        cases.append((cnic, "rx", d_node.name, d_hp.ip, tc))
+    cases.append((hp, "tx", d_node.name, d_hp.ip, KV))
+    cases.append((hp, "rx", d_node.name, d_hp.ip, KV))
+    cases.append((snic, "tx", store.name, st.ip, KV))
+    cases.append((snic, "rx", store.name, st.ip, KV))
+    return cases
+
+
+def _priority(fab: Fabric, mon: Monitor, qos: bool, seconds: float) -> PriorityResult:
+    """Model-class UDP at 20 % of a CNIC beside a kv-class TCP flood into it."""
+    fab.apply_shaping(qos)
+    d_node = next(e for e in fab.endpoints if e.role == "decode" and e.kind == "host")
+    p_eng = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "engine")
+    cnic = p_eng.nic("cnic")
+    offered = int(cnic.rate_bps * MODEL_SHARE)
+    mclass, kclass = class_for(qos, MODEL), class_for(qos, KV)
+    flood: dict[str, FlowResult] = {}
+    errors: list[BaseException] = []
+
+    def run_flood() -> None:
+        try:
+            out = run(client_argv(cnic.ip, BASE_PORT + 1, seconds + 1.0, tos=KV.tos_byte, parallel=2),
+                      ns=d_node.name, timeout=seconds + 20)
+            flood["kv"] = parse_client(out)
+        except BaseException as e:  # reported by the caller
+            errors.append(e)
+
+    with IperfServer(p_eng.name, cnic.ip, BASE_PORT + 1):
+        m0 = _class_bytes(cnic.bridge_dev, mclass)
+        k0 = _class_bytes(cnic.bridge_dev, kclass)
+        th = threading.Thread(target=run_flood)
+        th.start()
+        time.sleep(0.5)  # the flood is established before the model flow starts
+        t0 = time.monotonic()
+        model = flow(d_node.name, p_eng.name, cnic.ip, BASE_PORT + 2, seconds,
+                     tos=MODEL.tos_byte, udp_bps=offered)
+        t1 = time.monotonic()
+        th.join(timeout=seconds + 30)
+    if errors:
+        raise errors[0]
+    m1 = _class_bytes(cnic.bridge_dev, mclass)
+    k1 = _class_bytes(cnic.bridge_dev, kclass)
+    w0, w1 = _steady_window(mon, t0, t1, seconds)
+    r = PriorityResult(qos, cnic.bridge_dev, offered, model.goodput_bps, model.lost_percent,
+                       flood["kv"].goodput_bps, m1 - m0, k1 - k0 if qos else 0, mon.cpu_busy(w0, w1))
+    r.kept_ratio = model.goodput_bps / offered
+    return r
+
+
+def _marking(fab: Fabric, seconds: float) -> dict[str, Any]:
+    """A flow to a kv-range port with no --tos must land in the kv class (nftables mark)."""
+    d_node = next(e for e in fab.endpoints if e.role == "decode" and e.kind == "host")
+    p_eng = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "engine")
+    cnic = p_eng.nic("cnic")
+    kv_port = (KV_PORT_RANGE[0] + KV_PORT_RANGE[1]) // 2
+    result: dict[str, Any] = {}
+    for label, port in (("kv_range_port", kv_port), ("other_port", BASE_PORT + 3)):
+        before = {c: _class_bytes(cnic.bridge_dev, class_for(True, c)) for c in (MODEL, KV)}
+        res = flow(d_node.name, p_eng.name, cnic.ip, port, seconds)
+        after = {c: _class_bytes(cnic.bridge_dev, class_for(True, c)) for c in (MODEL, KV)}
+        total = sum(after[c] - before[c] for c in after) or 1
+        result[label] = {"port": port, "bytes": res.bytes,
+                         "kv_class_share": (after[KV] - before[KV]) / total,
+                         "model_class_share": (after[MODEL] - before[MODEL]) / total}
+    return result
+
+
+def check(fab: Fabric, seconds: float = 3.0, progress: Any = print) -> CheckReport:
+    report = CheckReport(topology=fab.topo.name)
+    devs = [n.bridge_dev for n in fab.nics]
+    with Monitor(devs) as mon:
+        fab.apply_shaping(True)
+        for i, (nic, direction, peer, peer_ip, tc) in enumerate(link_cases(fab)):
+            progress(f"  {nic.kind:<10} {direction} ({tc.name} class) ...")
+            r = _measure_link(fab, mon, nic, direction, peer, peer_ip, tc, seconds, BASE_PORT)
+            report.links.append(r)
+            if not r.ok:
+                report.problems.append(f"{r.nic_kind} {r.direction}: {r.ratio:.3f} of configured ({r.note})")
+        progress("  dscp marking by port (nftables) ...")
+        report.marking = _marking(fab, min(seconds, 2.0))
+        if report.marking["kv_range_port"]["kv_class_share"] < 0.95:
+            report.problems.append("a flow to the kv port range was not classified as kv")
+        for qos in (True, False):
+            progress(f"  priority test, QoS {'on' if qos else 'off'} ...")
+            report.priority.append(_priority(fab, mon, qos, seconds + 1))
+        fab.apply_shaping(fab.topo.spec.qos)
+        on, off = report.priority
+        if on.kept_ratio < MODEL_KEEP_OK:
+            report.problems.append(f"QoS on: model flow kept only {on.kept_ratio:.3f} of its rate")
+        if off.kept_ratio >= on.kept_ratio:
+            report.problems.append("QoS off showed no loss against QoS on: isolation not demonstrated")
+        report.cpu_saturated = mon.cpu_busy() >= CPU_SATURATED
+    return report

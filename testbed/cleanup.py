@@ -1,0 +1,128 @@
+"""Find and remove whatever the testbed left behind, matched by its prefix only.
+
+Leftovers are namespaces named dpt-*, links and bridges named dpt-* in the root
+namespace (with their qdiscs), nft tables named dpt_* in the root namespace,
+Mininet shells tagged mininet:dpt-*, and any process living in one of those
+namespaces. Nothing else is ever touched: no process is matched by a broad name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dualpath.naming import PREFIX
+from testbed.shell import run
+
+NETNS_DIR = Path("/run/netns")
+MININET_TAG = f"mininet:{PREFIX}-"
+
+
+@dataclass
+class Leftovers:
+    namespaces: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    bridges: list[str] = field(default_factory=list)
+    qdiscs: list[str] = field(default_factory=list)
+    nft_tables: list[str] = field(default_factory=list)
+    processes: list[int] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not any(vars(self).values())
+
+    def summary(self) -> str:
+        parts = [f"{len(v)} {k.replace('_', ' ')}" for k, v in vars(self).items() if v]
+        return ", ".join(parts) if parts else "nothing"
+
+
+def _ns_inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _our_processes(ns_inodes: set[int]) -> list[int]:
+    """PIDs of Mininet shells tagged with our prefix and of processes in our namespaces."""
+    pids = []
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ino = os.stat(d / "ns" / "net").st_ino
+        except OSError:
+            continue  # exited meanwhile, or a kernel thread
+        if MININET_TAG in cmd or ino in ns_inodes:
+            pids.append(int(d.name))
+    return pids
+
+
+def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
+    left = Leftovers()
+    left.namespaces = sorted(p.name for p in NETNS_DIR.glob(f"{PREFIX}-*")) if NETNS_DIR.exists() else []
+    inodes = {i for i in (_ns_inode(NETNS_DIR / n) for n in left.namespaces) if i is not None}
+    shells = [pid for pid in _our_processes(set())]
+    for pid in shells:  # Mininet shells hold the namespaces of hosts
+        ino = _ns_inode(Path(f"/proc/{pid}/ns/net"))
+        if ino is not None and ino != _ns_inode(Path("/proc/1/ns/net")):
+            inodes.add(ino)
+    left.processes = sorted(set(_our_processes(inodes)) - (exclude_pids or set()))
+    for link in json.loads(run(["ip", "-j", "-d", "link", "show"]) or "[]"):
+        name = link.get("ifname", "")
+        if not name.startswith(f"{PREFIX}-"):
+            continue
+        kind = link.get("linkinfo", {}).get("info_kind", "")
+        (left.bridges if kind == "bridge" else left.links).append(name)
+        if link.get("qdisc") not in (None, "noqueue", "noop"):
+            left.qdiscs.append(name)
+    tables = json.loads(run(["nft", "-j", "list", "tables"], check=False) or '{"nftables": []}')
+    for item in tables.get("nftables", []):
+        t = item.get("table")
+        if t and t["name"].startswith(f"{PREFIX}_"):
+            left.nft_tables.append(f"{t['family']} {t['name']}")
+    return left
+
+
+def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftovers:
+    """Remove all leftovers; return what was found before removal."""
+    found = find_leftovers(exclude_pids)
+    _kill(found.processes)
+    for ns in found.namespaces:
+        run(["ip", "netns", "del", ns], check=False)
+    for name in found.links + found.bridges:
+        run(["ip", "link", "del", name], check=False)  # the peer end goes with it
+    for table in found.nft_tables:
+        run(["nft", "delete", "table", *table.split()], check=False)
+    if verbose:
+        print(f"dualpath clean: removed {found.summary()}")
+    return found
+
+
+def _kill(pids: list[int], grace_s: float = 1.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+            time.sleep(0.05)
+        pids = alive
+        if not pids:
+            return
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,213 @@
+"""The emulated cluster fabric: Mininet hosts, two bridges, shaped NICs, DSCP marks.
+
+Build is declarative (`ClusterTopo`, a Mininet Topo), then `Fabric.up()`
+instantiates it. Each node is a host namespace (DRAM buffer side: host port on
+the compute bridge, SNIC on the storage bridge) plus one namespace per engine
+whose only interface is its CNIC. Storage servers sit on the storage bridge.
+
+Every Mininet host's namespace is also attached under a name (`ip netns
+attach`) so that standard tools and `dualpath clean` can see it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import signal
+from dataclasses import dataclass, field
+
+from mininet.link import Link
+from mininet.net import Mininet
+from mininet.node import Host
+from mininet.nodelib import LinuxBridge
+from mininet.topo import Topo
+
+from dualpath.naming import PREFIX
+from emulators import dscp_marking
+from emulators.nic import NicShape, htb_batch
+from testbed.shell import run
+from testbed.topology import Topology
+
+COMPUTE_BRIDGE = f"{PREFIX}-cbr"
+STORAGE_BRIDGE = f"{PREFIX}-sbr"
+COMPUTE_NET = ipaddress.ip_network("10.77.0.0/16")
+STORAGE_NET = ipaddress.ip_network("10.78.0.0/16")
+
+
+@dataclass(frozen=True)
+class Nic:
+    """One emulated NIC: a veth whose namespace end is `dev` and bridge end `bridge_dev`."""
+
+    kind: str  # "cnic", "host_port", "snic", "storage_nic"
+    ns: str
+    dev: str
+    bridge_dev: str
+    ip: str
+    rate_bps: int
+    classes: bool  # two QoS classes on this NIC
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A namespace of the testbed: a node's host side, an engine, or a storage server."""
+
+    name: str  # also the namespace name
+    role: str  # "prefill", "decode", "storage"
+    kind: str  # "host", "engine", "storage"
+    node: str  # owning node name (itself for host and storage)
+    nics: tuple[Nic, ...] = field(default=())
+
+    def nic(self, kind: str) -> Nic:
+        return next(n for n in self.nics if n.kind == kind)
+
+    @property
+    def ip(self) -> str:
+        return self.nics[0].ip
+
+
+def plan(topo: Topology) -> list[Endpoint]:
+    """Every namespace and NIC of a topology, with names, addresses and rates."""
+    s = topo.spec
+    qos = s.qos
+    eps: list[Endpoint] = []
+    cidx = sidx = 0
+
+    def cip() -> str:
+        nonlocal cidx
+        cidx += 1
+        return f"{COMPUTE_NET[cidx]}"
+
+    def sip() -> str:
+        nonlocal sidx
+        sidx += 1
+        return f"{STORAGE_NET[sidx]}"
+
+    for role, letter, count in (("prefill", "p", s.prefill_nodes), ("decode", "d", s.decode_nodes)):
+        for i in range(count):
+            node = f"{PREFIX}-{letter}{i}"
+            short = f"{letter}{i}"
+            eps.append(Endpoint(node, role, "host", node, (
+                Nic("host_port", node, f"{node}-hp", f"{COMPUTE_BRIDGE}-{short}", cip(),
+                    topo.host_port_bps, False),
+                Nic("snic", node, f"{node}-snic", f"{STORAGE_BRIDGE}-{short}", sip(),
+                    topo.snic_bps, False),
+            )))
+            for e in range(s.engines_per_node):
+                eng = f"{node}e{e}"
+                eps.append(Endpoint(eng, role, "engine", node, (
+                    Nic("cnic", eng, f"{eng}-cnic", f"{COMPUTE_BRIDGE}-{short}e{e}", cip(),
+                        topo.cnic_bps, qos),
+                )))
+    for i in range(s.storage.servers):
+        name = f"{PREFIX}-s{i}"
+        eps.append(Endpoint(name, "storage", "storage", name, (
+            Nic("storage_nic", name, f"{name}-nic", f"{STORAGE_BRIDGE}-s{i}", sip(),
+                topo.storage_nic_bps, False),
+        )))
+    return eps
+
+
+class ClusterTopo(Topo):
+    """The declarative Mininet topology: hosts, two bridges, one veth per NIC."""
+
+    def build(self, endpoints: list[Endpoint]) -> None:  # type: ignore[override]
+        self.addSwitch(COMPUTE_BRIDGE, cls=LinuxBridge, dpid="1")
+        self.addSwitch(STORAGE_BRIDGE, cls=LinuxBridge, dpid="2")
+        for ep in endpoints:
+            self.addHost(ep.name, ip=None)
+            for nic in ep.nics:
+                bridge = COMPUTE_BRIDGE if nic.bridge_dev.startswith(COMPUTE_BRIDGE) else STORAGE_BRIDGE
+                prefix = COMPUTE_NET if bridge == COMPUTE_BRIDGE else STORAGE_NET
+                self.addLink(ep.name, bridge, intfName1=nic.dev, intfName2=nic.bridge_dev,
+                             params1={"ip": f"{nic.ip}/{prefix.prefixlen}"})
+
+
+class Fabric:
+    """A live emulated cluster. Use as a context manager so teardown always runs."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.endpoints = plan(topo)
+        self.net: Mininet | None = None
+        self._attached: list[str] = []
+        self._shaped = False
+        self.qos = topo.spec.qos
+
+    # -- lookup -------------------------------------------------------------
+    def endpoint(self, name: str) -> Endpoint:
+        full = name if name.startswith(PREFIX) else f"{PREFIX}-{name}"
+        for ep in self.endpoints:
+            if ep.name == full:
+                return ep
+        raise KeyError(f"no endpoint {name!r} in topology {self.topo.name}")
+
+    @property
+    def nics(self) -> list[Nic]:
+        return [n for ep in self.endpoints for n in ep.nics]
+
+    # -- lifecycle ------------------------------------------------------------
+    def up(self) -> "Fabric":
+        self.net = Mininet(topo=ClusterTopo(endpoints=self.endpoints), switch=LinuxBridge,
+                           host=Host, link=Link, controller=None, build=False,
+                           autoSetMacs=False, autoStaticArp=False, waitConnected=False)
+        self.net.build()
+        for ep in self.endpoints:
+            pid = self.net[ep.name].pid
+            run(["ip", "netns", "attach", ep.name, str(pid)])
+            self._attached.append(ep.name)
+        self.net.start()
+        for ep in self.endpoints:
+            run(["ip", "link", "set", "lo", "up"], ns=ep.name)
+        self.apply_shaping(self.topo.spec.qos)
+        nft = dscp_marking.nft_script()
+        for ep in self.endpoints:
+            if ep.kind != "storage":
+                run(["nft", "-f", "-"], ns=ep.name, stdin=nft)
+        return self
+
+    def apply_shaping(self, qos: bool) -> None:
+        """(Re)shape every NIC; `qos` selects two classes or one FIFO on CNICs."""
+        root_batch: list[str] = []
+        for ep in self.endpoints:
+            ns_batch = []
+            for nic in ep.nics:
+                classes = qos and nic.kind == "cnic"
+                mtu = self.topo.spec.mtu
+                ns_batch.append(htb_batch(NicShape(nic.dev, nic.rate_bps, classes, mtu), self._shaped))
+                root_batch.append(htb_batch(NicShape(nic.bridge_dev, nic.rate_bps, classes, mtu),
+                                            self._shaped))
+            run(["tc", "-batch", "-"], ns=ep.name, stdin="".join(ns_batch))
+        run(["tc", "-batch", "-"], stdin="".join(root_batch))
+        self._shaped = True
+        self.qos = qos
+
+    def down(self) -> None:
+        """Remove everything up() made. Safe to call twice and after a partial up()."""
+        # A second Ctrl-C must not cut the teardown short; it is delivered after.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._down()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def _down(self) -> None:
+        errors = []
+        if self.net is not None:
+            try:
+                self.net.stop()
+            except Exception as e:  # keep tearing down the rest
+                errors.append(f"mininet stop: {e}")
+            self.net = None
+        for name in self._attached:
+            run(["ip", "netns", "del", name], check=False)
+        self._attached.clear()
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def __enter__(self) -> "Fabric":
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()

@@ -1,0 +1,101 @@
+"""Fidelity monitor: samples CPU use and per-link byte counters during a run.
+
+The bridge end of every emulated NIC lives in the root namespace, so one
+thread reading /sys/class/net there sees every link in both directions without
+entering any namespace: the bridge end's tx is what the node received, its rx
+what the node sent.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_SATURATED = 0.90  # busy share of all cores above which a run measures the CPU, not the NICs
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    cpu_busy: int  # jiffies, all cores
+    cpu_total: int
+    bytes: dict[str, tuple[int, int]]  # bridge dev -> (rx, tx)
+
+
+def _read_cpu() -> tuple[int, int]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def _read_bytes(dev: str) -> tuple[int, int]:
+    base = Path("/sys/class/net") / dev / "statistics"
+    try:
+        return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
+    except OSError:
+        return (0, 0)
+
+
+class Monitor:
+    """Background sampler; use as a context manager around a measurement."""
+
+    def __init__(self, devs: list[str], interval_s: float = 0.1, max_samples: int = 100_000):
+        self.devs = devs
+        self.interval_s = interval_s
+        self.max_samples = max_samples
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dpt-monitor", daemon=True)
+
+    def sample(self) -> Sample:
+        busy, total = _read_cpu()
+        s = Sample(time.monotonic(), busy, total, {d: _read_bytes(d) for d in self.devs})
+        if len(self.samples) < self.max_samples:
+            self.samples.append(s)
+        return s
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "Monitor":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sample()
+
+    def window(self, t0: float, t1: float) -> tuple[Sample, Sample]:
+        inside = [s for s in self.samples if t0 <= s.t <= t1]
+        if len(inside) < 2:
+            raise ValueError("measurement window too short for the sampling interval")
+        return inside[0], inside[-1]
+
+    def rate_bps(self, dev: str, node_direction: str, t0: float, t1: float) -> float:
+        """Wire rate of a NIC in the node's view: 'tx' = node sends, 'rx' = node receives."""
+        a, b = self.window(t0, t1)
+        idx = 0 if node_direction == "tx" else 1  # bridge rx = node tx
+        return (b.bytes[dev][idx] - a.bytes[dev][idx]) * 8 / (b.t - a.t)
+
+    def cpu_busy(self, t0: float | None = None, t1: float | None = None) -> float:
+        """Share of all cores busy over the window (0..1)."""
+        a, b = self.window(t0 if t0 is not None else -1e18, t1 if t1 is not None else 1e18)
+        return (b.cpu_busy - a.cpu_busy) / max(b.cpu_total - a.cpu_total, 1)
+
+    def cpu_peak(self, t0: float, t1: float, span_s: float = 0.5) -> float:
+        """Highest CPU busy share over any sub-window of about span_s."""
+        inside = [s for s in self.samples if t0 <= s.t <= t1]
+        peak = 0.0
+        j = 0
+        for i, s in enumerate(inside):
+            while j < len(inside) and inside[j].t - s.t < span_s:
+                j += 1
+            if j < len(inside):
+                e = inside[j]
+                peak = max(peak, (e.cpu_busy - s.cpu_busy) / max(e.cpu_total - s.cpu_total, 1))
+        return peak
