@@ -1,0 +1,383 @@
+"""Store client: puts and batched gets of Full Blocks across striped servers.
+
+Reads land straight in the caller's buffer: the header of each reply is read
+separately, then the payload is recv_into() the caller's memoryview slice, and
+its CRC is computed chunk by chunk while the bytes are still in cache. Requests
+are pipelined per server (a window of outstanding requests, never unbounded, so
+neither side can block on a full socket while the other waits), and the groups
+of different servers run in parallel threads.
+
+Every byte asked for is added to the node's ReadQueue before the request goes
+out and removed as it arrives (or when its request fails), so read_q is exact.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+from .errors import (
+    BadRequestError,
+    CorruptBlockError,
+    ProtocolError,
+    StoreConnectionError,
+    StoreError,
+    error_from_reply,
+)
+from .keys import check_key
+from .protocol import MAX_MGET_KEYS, pack_frame, parse_address, recv_exact_into, recv_header
+from .readq import ReadQueue
+from .striping import group_by_server
+
+Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
+MAX_HAS_KEYS = 1024  # the server's per-request limit
+
+
+class _Connection:
+    """One TCP connection to one server. Callers hold `lock` around any use."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+
+    def sock(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                s = socket.create_connection(self.address, timeout=self.timeout_s)
+            except OSError as exc:
+                raise StoreConnectionError(f"cannot connect to store server {self.address}: {exc}") from None
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = s
+        return self._sock
+
+    def reset(self) -> None:
+        """Drop the connection: after any wire error the stream may be out of sync."""
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def read_reply(self, expect_id: int) -> dict[str, Any]:
+        reply = recv_header(self.sock())
+        assert reply is not None
+        rid = reply.get("id")
+        if rid != expect_id:
+            if reply.get("ok") is False and rid == -1:
+                raise error_from_reply(reply)  # refused before any request (busy)
+            raise ProtocolError(f"reply id {rid!r} does not match request {expect_id}")
+        return reply
+
+    def call(self, header: dict[str, Any]) -> dict[str, Any]:
+        """One request without payload, one reply without payload."""
+        rid = self.new_id()
+        try:
+            self.sock().sendall(pack_frame({**header, "id": rid}))
+            reply = self.read_reply(rid)
+        except (OSError, ProtocolError) as exc:
+            self.reset()
+            raise _wire_error(self.address, exc) from None
+        except StoreError:
+            self.reset()
+            raise
+        if not reply.get("ok"):
+            raise error_from_reply(reply)
+        return reply
+
+
+def _wire_error(address: tuple[str, int], exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    return StoreConnectionError(f"store server {address}: {exc}")
+
+
+def _first_error(errors: dict[int, StoreError], keys: Sequence[str]) -> StoreError:
+    """The error of the earliest failed position, carrying all of them in .errors (key -> error)."""
+    first = errors[min(errors)]
+    first.errors = {keys[pos]: err for pos, err in sorted(errors.items())}  # type: ignore[attr-defined]
+    return first
+
+
+class StoreClient:
+    """Client of a striped set of storage servers holding Full Blocks of `block_bytes` each.
+
+    `servers` is ordered: block placement depends on the position in the list.
+    Share one ReadQueue among all clients of a node so read_q covers them all.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str | tuple[str, int]],
+        block_bytes: int,
+        *,
+        read_q: ReadQueue | None = None,
+        timeout_s: float = 30.0,
+        window: int = 32,
+    ) -> None:
+        if not servers:
+            raise ValueError("need at least one store server")
+        if block_bytes <= 0:
+            raise ValueError("block_bytes must be positive")
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.block_bytes = block_bytes
+        self.read_q = read_q if read_q is not None else ReadQueue()
+        self.window = window
+        self._conns = [_Connection(parse_address(s), timeout_s) for s in servers]
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def n_servers(self) -> int:
+        return len(self._conns)
+
+    @property
+    def pending_read_bytes(self) -> int:
+        return self.read_q.pending_bytes
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        for c in self._conns:
+            with c.lock:
+                c.reset()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- fan-out over servers -------------------------------------------
+    def _run_groups(self, groups: dict[int, list[int]], work: Callable[[int, list[int]], T]) -> list[T]:
+        """work(server, positions) for each group, in parallel when several servers are involved."""
+        items = list(groups.items())
+        if len(items) <= 1:
+            return [work(s, pos) for s, pos in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.n_servers, thread_name_prefix="store-client")
+            pool = self._pool
+        futures = [pool.submit(work, s, pos) for s, pos in items[1:]]
+        results = [work(*items[0])]
+        results.extend(f.result() for f in futures)
+        return results
+
+    # ---- writes ----------------------------------------------------------
+    def put(self, key: str, data: Buffer) -> bool:
+        """Store one block durably. True if stored now, False if it already was."""
+        return self.put_many([(key, data)])[0]
+
+    def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """Store blocks durably (acknowledged = fsynced and visible), pipelined per server."""
+        views: list[memoryview] = []
+        keys: list[str] = []
+        for key, data in items:
+            keys.append(check_key(key))
+            view = memoryview(data).cast("B")
+            if len(view) != self.block_bytes:
+                raise BadRequestError(f"block {key} has {len(view)} bytes, store blocks are {self.block_bytes}", key=key)
+            views.append(view)
+        new: list[bool] = [False] * len(keys)
+        errors: dict[int, StoreError] = {}
+
+        def work(server: int, positions: list[int]) -> None:
+            conn = self._conns[server]
+            with conn.lock:
+                self._put_group(conn, positions, keys, views, new, errors)
+
+        self._run_groups(group_by_server(keys, self.n_servers), work)
+        if errors:
+            raise _first_error(errors, keys)
+        return new
+
+    def _put_group(
+        self,
+        conn: _Connection,
+        positions: list[int],
+        keys: list[str],
+        views: list[memoryview],
+        new: list[bool],
+        errors: dict[int, StoreError],
+    ) -> None:
+        ids: list[int] = []
+        recvd = 0
+        try:
+            sock = conn.sock()
+            for i, pos in enumerate(positions):
+                # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
+                while i - recvd >= self.window:
+                    self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
+                    recvd += 1
+                rid = conn.new_id()
+                ids.append(rid)
+                view = views[pos]
+                sock.sendall(pack_frame({"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": zlib.crc32(view)}))
+                sock.sendall(view)
+            while recvd < len(positions):
+                self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
+                recvd += 1
+        except (OSError, StoreError) as exc:
+            conn.reset()
+            err = _wire_error(conn.address, exc)
+            for pos in positions[recvd:]:
+                errors.setdefault(pos, err)
+
+    @staticmethod
+    def _put_reply(conn: _Connection, rid: int, pos: int, new: list[bool], errors: dict[int, StoreError]) -> None:
+        reply = conn.read_reply(rid)
+        if reply.get("ok"):
+            new[pos] = bool(reply.get("new"))
+        else:
+            errors[pos] = error_from_reply(reply)
+
+    # ---- reads -----------------------------------------------------------
+    def get(self, key: str) -> bytearray:
+        out = bytearray(self.block_bytes)
+        self.get_many([key], out)
+        return out
+
+    def get_many(self, keys: Sequence[str], out: Any, offsets: Sequence[int] | None = None) -> None:
+        """Read blocks into `out` (any writable contiguous buffer: bytearray, memoryview,
+        numpy array) at `offsets` (default: packed, i * block_bytes).
+
+        All blocks that can be read are read; then the error of the first failed
+        key is raised (MissingBlockError, CorruptBlockError, ...) with every
+        failure in its `.errors` dict (key -> error). Bytes at a failed offset
+        are unspecified.
+        """
+        keys = [check_key(k) for k in keys]
+        mv = memoryview(out)
+        if mv.readonly:
+            raise ValueError("get_many needs a writable buffer")
+        if not mv.contiguous:
+            raise ValueError("get_many needs a contiguous buffer")
+        mv = mv.cast("B")
+        bb = self.block_bytes
+        offs = list(offsets) if offsets is not None else [i * bb for i in range(len(keys))]
+        if len(offs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(offs)} offsets")
+        for off in offs:
+            if not 0 <= off <= len(mv) - bb:
+                raise ValueError(f"offset {off} + block {bb} outside buffer of {len(mv)} bytes")
+        ordered = sorted(offs)
+        if any(b - a < bb for a, b in zip(ordered, ordered[1:])):
+            raise ValueError("offsets overlap: blocks would overwrite each other")
+        if not keys:
+            return
+        views = [mv[off : off + bb] for off in offs]
+        errors: dict[int, StoreError] = {}
+
+        def work(server: int, positions: list[int]) -> None:
+            conn = self._conns[server]
+            with conn.lock:
+                self._get_group(conn, positions, keys, views, errors)
+
+        self.read_q.add(len(keys) * bb)  # requested from now on
+        self._run_groups(group_by_server(keys, self.n_servers), work)
+        if errors:
+            raise _first_error(errors, keys)
+
+    def _get_group(
+        self,
+        conn: _Connection,
+        positions: list[int],
+        keys: list[str],
+        views: list[memoryview],
+        errors: dict[int, StoreError],
+    ) -> None:
+        bb = self.block_bytes
+        outstanding = len(positions) * bb  # this group's share of read_q
+        ids: list[int] = []
+        sent = recvd = 0
+        try:
+            sock = conn.sock()
+            while recvd < len(positions):
+                # Refill the window in one send once half of it has been answered.
+                if sent < len(positions) and sent - recvd <= self.window // 2:
+                    # One mget frame per refill: the server prefetches the whole batch.
+                    upto = min(len(positions), recvd + self.window, sent + MAX_MGET_KEYS)
+                    first = conn.new_id()
+                    for _ in range(sent + 1, upto):
+                        conn.new_id()
+                    ids.extend(range(first, first + upto - sent))
+                    sock.sendall(pack_frame({"op": "mget", "id": first, "keys": [keys[p] for p in positions[sent:upto]]}))
+                    sent = upto
+                pos = positions[recvd]
+                reply = conn.read_reply(ids[recvd])
+                if not reply.get("ok"):
+                    errors[pos] = error_from_reply(reply)
+                    self.read_q.done(bb)
+                    outstanding -= bb
+                    recvd += 1
+                    continue
+                n = reply.get("n")
+                if n != bb:
+                    raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
+                # Payload straight into the caller's buffer, CRC per chunk while it is hot in cache.
+                view, crc, got = views[pos], 0, 0
+                while got < bb:
+                    k = sock.recv_into(view[got:], bb - got)
+                    if k == 0:
+                        raise ProtocolError(f"connection closed after {got} of {bb} payload bytes")
+                    crc = zlib.crc32(view[got : got + k], crc)
+                    got += k
+                    outstanding -= k
+                    self.read_q.done(k)
+                if crc != reply.get("crc"):
+                    errors[pos] = CorruptBlockError(f"block {keys[pos]}: payload checksum mismatch on read", key=keys[pos])
+                recvd += 1
+        except (OSError, StoreError) as exc:
+            conn.reset()
+            err = _wire_error(conn.address, exc)
+            for p in positions[recvd:]:
+                errors.setdefault(p, err)
+        finally:
+            if outstanding:
+                self.read_q.done(outstanding)  # given up on: no longer pending
+
+    # ---- metadata --------------------------------------------------------
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` are stored (one round trip per server per 1024 keys)."""
+        keys = [check_key(k) for k in keys]
+        have = [False] * len(keys)
+
+        def work(server: int, positions: list[int]) -> None:
+            conn = self._conns[server]
+            for start in range(0, len(positions), MAX_HAS_KEYS):
+                chunk = positions[start : start + MAX_HAS_KEYS]
+                with conn.lock:
+                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk]})
+                flags = reply.get("have")
+                if not isinstance(flags, list) or len(flags) != len(chunk):
+                    raise ProtocolError("malformed has reply")
+                for p, f in zip(chunk, flags):
+                    have[p] = bool(f)
+
+        self._run_groups(group_by_server(keys, self.n_servers), work)
+        return have
+
+    def delete(self, key: str) -> bool:
+        conn = self._conns[group_by_server([check_key(key)], self.n_servers).popitem()[0]]
+        with conn.lock:
+            return bool(conn.call({"op": "delete", "key": key}).get("deleted"))
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-server usage, in server order."""
+        out = []
+        for conn in self._conns:
+            with conn.lock:
+                out.append({k: v for k, v in conn.call({"op": "stat"}).items() if k not in ("id", "ok")})
+        return out

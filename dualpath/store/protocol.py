@@ -1,0 +1,101 @@
+"""Wire protocol between store clients and storage servers (no pickle).
+
+Every message is one frame:
+
+    +----------------+---------------------------+----------------------+
+    | u32 big-endian | msgpack map (<= 64 KiB)   | payload, `n` bytes   |
+    | header length  | the control header        | (raw, only if n > 0) |
+    +----------------+---------------------------+----------------------+
+
+Requests (client -> server), each with a per-connection integer `id`:
+    {"op": "put", "id", "key", "n", "crc"}  + n payload bytes
+    {"op": "get", "id", "key"}
+    {"op": "mget", "id", "keys": [...]}   # = gets with ids id, id+1, ...;
+                                          # lets the server prefetch the batch
+    {"op": "has", "id", "keys": [...]}
+    {"op": "delete", "id", "key"}
+    {"op": "stat", "id"}
+Replies (server -> client), in request order, echoing `id`:
+    ok:    {"id", "ok": True, ...}; a get reply carries "n" and "crc" and is
+           followed by the n payload bytes, a put reply carries "new"
+    error: {"id", "ok": False, "err": code, "msg": text, "key": key-or-None}
+
+The payload travels raw after the header so the server can sendfile() a block
+file and the client can recv_into() the caller's buffer: no copy through
+Python objects on either side. `crc` is zlib CRC-32 of the payload; the client
+checks it on every read (end to end: disk, server and wire).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+_LEN = struct.Struct(">I")
+MAX_HEADER_BYTES = 64 * 1024  # a header is control only; anything bigger is an attack or a bug
+OPS = ("put", "get", "mget", "has", "delete", "stat")
+MAX_MGET_KEYS = 256  # server limit per mget frame
+
+
+def pack_frame(header: dict[str, Any]) -> bytes:
+    body = msgpack.packb(header, use_bin_type=True)
+    if len(body) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
+    return _LEN.pack(len(body)) + body
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` completely from the socket; EOF before that is a ProtocolError."""
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ProtocolError(f"connection closed after {got} of {total} bytes")
+        got += n
+
+
+def recv_header(sock: socket.socket, *, eof_ok: bool = False) -> dict[str, Any] | None:
+    """Read one frame's header. Returns None on a clean EOF between frames if eof_ok."""
+    prefix = bytearray(_LEN.size)
+    view = memoryview(prefix)
+    n = sock.recv_into(view, len(prefix))
+    if n == 0:
+        if eof_ok:
+            return None
+        raise ProtocolError("connection closed while waiting for a header")
+    if n < len(prefix):
+        recv_exact_into(sock, view[n:])
+    (length,) = _LEN.unpack(prefix)
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header length {length} exceeds {MAX_HEADER_BYTES}")
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    try:
+        header = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    return header
+
+
+def parse_address(addr: str | tuple[str, int]) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' or (host, port) -> (host, port)."""
+    if isinstance(addr, tuple):
+        host, port = addr
+        return str(host), int(port)
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"address {addr!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
