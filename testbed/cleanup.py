@@ -103,6 +103,21 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
     return found
 
 
+def kill_processes_in(namespaces: list[str]) -> int:
+    """Kill every process living in the named namespaces; return how many there were."""
+    inodes = {i for i in (_ns_inode(NETNS_DIR / n) for n in namespaces) if i is not None}
+    pids = [p for p in _our_processes(inodes) if MININET_TAG not in _cmdline(p)]
+    _kill(pids)
+    return len(pids)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _kill(pids: list[int], grace_s: float = 1.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = []

@@ -23,6 +23,7 @@ from mininet.topo import Topo
 from dualpath.naming import PREFIX
 from emulators import dscp_marking
 from emulators.nic import NicShape, htb_batch
+from testbed.cleanup import kill_processes_in
 from testbed.shell import run
 from testbed.topology import Topology
 
@@ -190,6 +191,9 @@ class Fabric:
 
     def _down(self) -> None:
         errors = []
+        # Processes started inside our namespaces would keep them alive, unseen, after
+        # their names are gone: end them first.
+        kill_processes_in(self._attached)
         if self.net is not None:
             try:
                 self.net.stop()

@@ -1,0 +1,35 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "testbed.cli"]
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+needs_root = pytest.mark.skipif(not is_root(), reason="needs root (namespaces, tc)")
+
+
+def dualpath(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would, in a child process."""
+    return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if it leaves anything of the testbed behind; cleans up either way."""
+    from testbed.cleanup import clean, find_leftovers
+
+    before = find_leftovers()
+    if not before.empty():
+        clean(verbose=False)
+    yield
+    left = find_leftovers()
+    clean(verbose=False)
+    assert left.empty(), f"the test leaked: {left}"

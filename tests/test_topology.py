@@ -1,0 +1,86 @@
+"""Topology schema: every shipped file loads; bad files get a one-line error naming file, field, fix."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed.topology import TopologyError, load_topology, parse_topology
+from tests.conftest import REPO, dualpath
+
+TOPOS = sorted((REPO / "topologies").glob("*.yaml"))
+GOOD = yaml.safe_load((REPO / "topologies" / "1p1d.yaml").read_text())
+
+
+def test_ships_required_topologies():
+    names = {p.stem for p in TOPOS}
+    assert {"1p1d", "2p1d", "1p2d", "2p4d"} <= names
+    outside = [p for p in TOPOS if not load_topology(p).in_bottleneck_free_range()]
+    assert outside, "at least one topology must lie outside the bottleneck-free P/D range"
+
+
+@pytest.mark.parametrize("path", TOPOS, ids=lambda p: p.stem)
+def test_shipped_topologies_load(path):
+    t = load_topology(path)
+    assert t.name == path.stem
+    assert t.host_port_bps == min(t.g * t.cnic_bps, t.dram_bps)
+
+
+def test_scaling_keeps_paper_units():
+    t = parse_topology(GOOD)
+    assert t.cnic_bps == 1_000_000_000  # 400 Gbit/s * 0.0025
+    assert t.snic_bps == 250_000_000  # s*B
+    lo, hi = t.pd_range()
+    assert lo == pytest.approx(1 / 7) and hi == pytest.approx(3.5)
+
+
+def _write(tmp_path: Path, doc: dict) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+def _without(key: str) -> dict:
+    d = dict(GOOD)
+    del d[key]
+    return d
+
+
+@pytest.mark.parametrize("doc, field", [
+    (_without("cnic_gbps"), "cnic_gbps"),  # missing
+    ({**GOOD, "prefill_nodes": "two"}, "prefill_nodes"),  # wrong type
+    ({**GOOD, "cnic_gbps": -400}, "cnic_gbps"),  # negative bandwidth
+    ({**GOOD, "prefill_nodes": 0}, "prefill_nodes"),  # zero prefill nodes
+    ({**GOOD, "engines_per_node": 0}, "engines_per_node"),  # g = 0
+    ({**GOOD, "storage": {**GOOD["storage"], "disk_gbps": -1}}, "storage.disk_gbps"),
+    ({**GOOD, "qos": "maybe"}, "qos"),
+])
+def test_bad_field_one_line_error(tmp_path, doc, field):
+    path = _write(tmp_path, doc)
+    with pytest.raises(TopologyError) as e:
+        load_topology(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert str(path) in msg and f"'{field}'" in msg and "fix:" in msg
+
+
+def test_unknown_field_is_named(tmp_path):
+    with pytest.raises(TopologyError, match="'cnic_gpbs' is not a topology field"):
+        load_topology(_write(tmp_path, {**GOOD, "cnic_gpbs": 1}))
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("name: [unclosed\n")
+    with pytest.raises(TopologyError, match="not valid YAML"):
+        load_topology(p)
+    with pytest.raises(TopologyError, match="cannot read"):
+        load_topology(tmp_path / "nope.yaml")
+
+
+def test_cli_bad_topology_is_one_line_no_traceback(tmp_path):
+    path = _write(tmp_path, {**GOOD, "engines_per_node": 0})
+    r = dualpath("topo", str(path))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "engines_per_node" in lines[0] and str(path) in lines[0]
