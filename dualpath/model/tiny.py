@@ -66,6 +66,7 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, kind: str = "qwen2") -
     # Written by hand rather than save_pretrained: sorted keys and fixed metadata make the bytes a
     # function of (seed, kind, transformers version) only.
     save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # save_file creates 0600; engines may run as other users
     d = cfg.to_dict()
     d["architectures"] = [cls.__name__]
     (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
