@@ -147,6 +147,11 @@ class StoreServer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._lsock is not None:
+            try:
+                self._lsock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() at once (Linux)
+            except OSError:
+                pass
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=5.0)
         if self._lsock is not None:
