@@ -148,7 +148,7 @@ def _priority(fab: Fabric, mon: Monitor, qos: bool, seconds: float) -> PriorityR
 
     def run_flood() -> None:
         try:
-            out = run(client_argv(cnic.ip, BASE_PORT + 1, seconds + 1.0, tos=KV.tos_byte, parallel=2),
+            out = run(client_argv(cnic.ip, BASE_PORT + 1, seconds + 1.0, tos=KV.tos_byte, parallel=4),
                       ns=d_node.name, timeout=seconds + 20)
             flood["kv"] = parse_client(out)
         except BaseException as e:  # reported by the caller

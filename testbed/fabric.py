@@ -155,8 +155,11 @@ class Fabric:
             run(["ip", "netns", "attach", ep.name, str(pid)])
             self._attached.append(ep.name)
         self.net.start()
+        mtu = self.topo.spec.mtu
         for ep in self.endpoints:
-            run(["ip", "link", "set", "lo", "up"], ns=ep.name)
+            lines = ["link set lo up"] + [f"link set dev {n.dev} mtu {mtu}" for n in ep.nics]
+            run(["ip", "-batch", "-"], ns=ep.name, stdin="\n".join(lines) + "\n")
+        run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.nics))
         self.apply_shaping(self.topo.spec.qos)
         nft = dscp_marking.nft_script()
         for ep in self.endpoints:
