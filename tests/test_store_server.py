@@ -179,7 +179,9 @@ def test_missing_block_is_a_typed_error_and_others_still_arrive(client: StoreCli
     assert bytes(client.get(keys[0])) == block(0)  # connection still usable
 
 
-def test_corrupted_payload_is_detected_naming_the_key(client: StoreClient, server: StoreServer):
+@pytest.mark.parametrize("crc_threads", [0, 1], ids=["crc-inline", "crc-thread"])
+def test_corrupted_payload_is_detected_naming_the_key(server: StoreServer, crc_threads: int):
+    client = StoreClient([server.address], BB, crc_threads=crc_threads)
     keys = keys_for(2)
     client.put_many([(k, block(i)) for i, k in enumerate(keys)])
     p = block_path(server, keys[1])
@@ -195,6 +197,7 @@ def test_corrupted_payload_is_detected_naming_the_key(client: StoreClient, serve
     assert set(ei.value.errors) == {keys[1]}
     assert out[:BB] == block(0)
     assert bytes(client.get(keys[0])) == block(0)
+    client.close()
 
 
 def test_server_side_verification_reports_corruption(make_server):
