@@ -215,7 +215,11 @@ class Agent:
         transport: "tcp" or "rdma". "rdma" without an RDMA device raises RdmaUnavailableError.
         port_range: listening sub-range inside the class range (default: the whole class range).
         tuning: extra UCX_* knobs (UCX_TCP_SNDBUF, ...); cannot override the mandatory ones.
-        progress_thread: NIXL's progress thread (needed on a passive target that never polls).
+        progress_thread: NIXL's progress thread. Needed by an agent that is the passive side
+            of transfers (UCX over TCP serves a READ in software at the target) and does not
+            poll. An agent that only initiates and waits should turn it off: two threads
+            progressing one UCX worker contend for its spin lock (measured here: 3-5x the CPU
+            per GB at a READ initiator, and slower).
         timeout_s: default bound of every wait.
         poll_sleep_s: sleep between completion polls (0 spins; spinning steals CPU from TCP).
         progress_delay_us: how long NIXL's progress thread waits for socket events before it

@@ -92,6 +92,17 @@ def digest(buf: np.ndarray, ranges) -> str:
     return h.hexdigest()
 
 
+def _rusage() -> dict:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": r.ru_utime, "sys": r.ru_stime}
+
+
+def _cpu_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in ("user", "sys")}
+
+
 def _tuning(args) -> dict[str, str]:
     out = {}
     for kv in args.ucx or []:
@@ -100,10 +111,19 @@ def _tuning(args) -> dict[str, str]:
     return out
 
 
+def _progress_thread(args) -> bool:
+    """The passive target needs NIXL's progress thread (nobody else serves its side of a READ);
+    the initiator always waits for its own transfers, and a second thread progressing the same
+    UCX worker only contends for its lock (measured: READ CPU per GB at the initiator 3-5x)."""
+    if args.progress_thread == "auto":
+        return args.role == "target"
+    return args.progress_thread == "on"
+
+
 def _agent(args, name: str) -> Agent:
     return Agent(name, args.iface, args.traffic_class, args.transport,
                  port_range=parse_port_range(args.port_range) if args.port_range else None,
-                 tuning=_tuning(args), progress_thread=not args.no_progress_thread,
+                 tuning=_tuning(args), progress_thread=_progress_thread(args),
                  timeout_s=args.timeout, poll_sleep_s=args.poll_sleep,
                  progress_delay_us=args.progress_delay_us)
 
@@ -161,6 +181,8 @@ def run_target(args) -> dict:
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(0.3)
                     rep = {"ok": True}
+                elif cmd == "rusage":
+                    rep = _rusage()
                 elif cmd == "bye":
                     ctl.send({"ok": True})
                     return {"role": "target", "served": served, "transport_in_use": agent.transport_in_use}
@@ -199,16 +221,33 @@ def _connect(args) -> tuple[Agent, Control, str, dict, dict]:
 
 
 def measure_throughput(agent: Agent, peer: str, op: str, size: int, ndesc: int, reps: int,
-                       local: str = "hbm", remote: str = "dram") -> dict:
+                       local: str = "hbm", remote: str = "dram", ctl: Control | None = None) -> dict:
+    """GB/s of `reps` transfers of `size` bytes split into `ndesc` descriptors (one batch each).
+
+    With `ctl`, also the CPU seconds per GB moved spent by each side (user and kernel): where
+    the time goes on a machine whose two cores carry both ends and the kernel TCP stack.
+    """
     descs = contiguous_descs(size, ndesc)
     agent.post(op, peer, local, remote, descs).wait()  # warm-up: connection, first-touch
     rates = []
+    t_cpu0 = ctl.call({"cmd": "rusage"}) if ctl else None
+    i_cpu0 = _rusage()
+    t0 = time.perf_counter()
     for r in range(reps):
         st = agent.post(op, peer, local, remote, descs, layer=r).wait()
         rates.append(st.gbps)
-    return {"op": op, "bytes": size, "ndesc": ndesc, "reps": reps,
-            "best_GBps": max(rates), "median_GBps": statistics.median(rates),
-            "all_GBps": [round(x, 4) for x in rates]}
+    wall = time.perf_counter() - t0
+    i_cpu = _cpu_delta(i_cpu0, _rusage())
+    out = {"op": op, "bytes": size, "ndesc": ndesc, "reps": reps,
+           "best_GBps": max(rates), "median_GBps": statistics.median(rates),
+           "all_GBps": [round(x, 4) for x in rates]}
+    gb = size * reps / 1e9
+    cpu = {"initiator": {k: v / gb for k, v in i_cpu.items()}, "wall_s_per_GB": wall / gb}
+    if ctl:
+        t_cpu = _cpu_delta(t_cpu0, ctl.call({"cmd": "rusage"}))
+        cpu["target"] = {k: v / gb for k, v in t_cpu.items()}
+    out["cpu_s_per_GB"] = cpu
+    return out
 
 
 def measure_submission(agent: Agent, peer: str, op: str, ndesc: int, desc_len: int,
@@ -301,6 +340,47 @@ def run_check(agent: Agent, ctl: Control, peer: str, local: dict, size: int) -> 
     return res
 
 
+def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
+    """Throughput (and iperf3 on the same link) in `--rounds` interleaved rounds, so that a
+    noisy machine disturbs both sides of each ratio alike; then submission overhead."""
+    out: dict[str, Any] = {"rounds": args.rounds}
+    per: dict[tuple[str, int], list[dict]] = {}
+    iperf: list[float] = []
+    round_ratio: dict[str, list[float]] = {"READ": [], "WRITE": []}
+    for _ in range(args.rounds):
+        ip = run_iperf3(ctl, args.peer_ip, args.iperf_port, args.iperf_seconds)["GBps"] if args.iperf3 else None
+        best_this_round = {"READ": 0.0, "WRITE": 0.0}
+        for nd in args.ndesc:
+            for op in args.ops:
+                m = measure_throughput(agent, peer, op, args.size, nd, args.reps, ctl=ctl)
+                per.setdefault((op, nd), []).append(m)
+                best_this_round[op] = max(best_this_round[op], m["median_GBps"])
+        if ip is not None:
+            iperf.append(ip)
+            for op in args.ops:
+                round_ratio[op].append(best_this_round[op] / ip)
+    tp = []
+    for (op, nd), ms in per.items():
+        rates = [x for m in ms for x in m["all_GBps"]]
+        tp.append({"op": op, "ndesc": nd, "bytes": args.size, "reps": len(rates),
+                   "best_GBps": max(rates), "median_GBps": statistics.median(rates),
+                   "all_GBps": rates, "cpu_s_per_GB": ms[-1]["cpu_s_per_GB"]})
+    out["throughput"] = tp
+    for op in args.ops:
+        out[f"{op}_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == op)
+        out[f"{op}_median_GBps"] = max(t["median_GBps"] for t in tp if t["op"] == op)
+    if iperf:
+        out["iperf3"] = {"seconds": args.iperf_seconds, "port": args.iperf_port, "all_GBps": iperf,
+                         "GBps": max(iperf), "median_GBps": statistics.median(iperf)}
+        for op in args.ops:
+            out[f"{op}_over_iperf3_best"] = out[f"{op}_best_GBps"] / max(iperf)
+            out[f"{op}_over_iperf3_median"] = statistics.median(round_ratio[op])
+    if args.sub_ndesc:
+        out["submission"] = [measure_submission(agent, peer, op, args.sub_ndesc, args.sub_len, args.reps)
+                             for op in args.ops]
+    return out
+
+
 def run_initiator(args) -> dict:
     agent, ctl, peer, local, hello = _connect(args)
     out: dict[str, Any] = {
@@ -312,25 +392,7 @@ def run_initiator(args) -> dict:
         if args.mode == "check":
             out["check"] = run_check(agent, ctl, peer, local, args.size)
         else:
-            tp = []
-            for nd in args.ndesc:
-                for op in ("READ", "WRITE"):
-                    tp.append(measure_throughput(agent, peer, op, args.size, nd, args.reps))
-            out["throughput"] = tp
-            out["READ_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == "READ")
-            out["WRITE_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == "WRITE")
-            out["READ_median_GBps"] = max(t["median_GBps"] for t in tp if t["op"] == "READ")
-            out["WRITE_median_GBps"] = max(t["median_GBps"] for t in tp if t["op"] == "WRITE")
-            if args.sub_ndesc:
-                out["submission"] = [measure_submission(agent, peer, op, args.sub_ndesc,
-                                                        args.sub_len, args.reps)
-                                     for op in ("WRITE", "READ")]
-            if args.iperf3:
-                ip = run_iperf3(ctl, args.peer_ip, args.iperf_port, args.iperf_seconds)
-                out["iperf3"] = ip
-                for op in ("READ", "WRITE"):
-                    out[f"{op}_over_iperf3_best"] = out[f"{op}_best_GBps"] / ip["GBps"]
-                    out[f"{op}_over_iperf3_median"] = out[f"{op}_median_GBps"] / ip["GBps"]
+            out.update(run_bench(agent, ctl, peer, args))
         ctl.call({"cmd": "bye"})
     finally:
         ctl.close()
@@ -358,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ndesc", type=int, nargs="+", default=[1, 16],
                     help="descriptors per throughput batch")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ops", nargs="+", choices=["READ", "WRITE"], default=["READ", "WRITE"])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds of iperf3 + transport (ratios are per-round medians)")
     ap.add_argument("--sub-ndesc", type=int, default=256, help="descriptors for the overhead test (0: skip)")
     ap.add_argument("--sub-len", type=int, default=16 << 10)
     ap.add_argument("--iperf3", action="store_true", help="also run iperf3 over the same link")
@@ -368,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connect-timeout", type=float, default=30.0)
     ap.add_argument("--max-time", type=float, default=600.0, help="target: total lifetime bound")
     ap.add_argument("--poll-sleep", type=float, default=0.0001)
-    ap.add_argument("--no-progress-thread", action="store_true")
+    ap.add_argument("--progress-thread", choices=["auto", "on", "off"], default="auto",
+                    help="NIXL progress thread; auto: on for the target, off for the initiator")
     ap.add_argument("--progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
                     help="NIXL progress thread wait between polls (0 spins a core)")
     ap.add_argument("--json", help="also write the result here")
