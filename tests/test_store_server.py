@@ -25,6 +25,7 @@ from dualpath.store import (
     ServerBusyError,
     StoreClient,
     StoreFullError,
+    StoreIOError,
     chain_keys,
     server_index,
 )
@@ -249,6 +250,16 @@ def test_bad_keys_rejected_by_client_and_server(client: StoreClient, server: Sto
     k = keys_for(1)[0]
     client.put(k, block(5))
     assert bytes(client.get(k)) == block(5)
+
+
+def test_a_symlink_in_the_store_is_not_followed(client: StoreClient, server: StoreServer, tmp_path: Path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"z" * (HEADER_SIZE + BB))
+    k = keys_for(1, seed=77)[0]
+    block_path(server, k).symlink_to(outside)
+    with pytest.raises(StoreIOError, match=k):
+        client.get(k)
+    assert bytes(client.get(keys_for(1)[0]) if client.put(keys_for(1)[0], block(1)) else b"") == block(1)
 
 
 def test_capacity_exceeded_is_a_clear_error(make_server):

@@ -1,11 +1,12 @@
 """Store client: puts and batched gets of Full Blocks across striped servers.
 
 Reads land straight in the caller's buffer: the header of each reply is read
-separately, then the payload is recv_into() the caller's memoryview slice, and
-its CRC is computed chunk by chunk while the bytes are still in cache. Requests
-are pipelined per server (a window of outstanding requests, never unbounded, so
-neither side can block on a full socket while the other waits), and the groups
-of different servers run in parallel threads.
+separately, then the payload is recv_into() the caller's memoryview slice (no
+intermediate copy), and its CRC is checked on a helper thread while the next
+block arrives. Requests are pipelined per server as mget frames (a window of
+outstanding requests, never unbounded, so neither side can block on a full
+socket while the other waits; the server prefetches each frame's blocks), and
+the groups of different servers run in parallel threads.
 
 Every byte asked for is added to the node's ReadQueue before the request goes
 out and removed as it arrives (or when its request fails), so read_q is exact.
@@ -16,7 +17,7 @@ import socket
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from .errors import (
     BadRequestError,
@@ -27,7 +28,7 @@ from .errors import (
     error_from_reply,
 )
 from .keys import check_key
-from .protocol import MAX_MGET_KEYS, pack_frame, parse_address, recv_exact_into, recv_header
+from .protocol import MAX_MGET_KEYS, pack_frame, parse_address, recv_header
 from .readq import ReadQueue
 from .striping import group_by_server
 
@@ -108,10 +109,11 @@ def _corrupt(key: str) -> CorruptBlockError:
 class _CrcChecker:
     """Checks received blocks' CRCs on helper threads while the socket thread keeps receiving.
 
-    On two cores the receive copy and the CRC pass are each about half of the
-    client's work; overlapping them is what lets one connection approach the
-    disk's rate. zlib.crc32 releases the GIL on large buffers. Small blocks
-    are grouped into tasks of >= TASK_BYTES so task overhead stays negligible.
+    The receive copy and the CRC pass are each about half of the client's
+    work; overlapping them puts a second core to use when one is free (it
+    costs nothing when none is). zlib.crc32 releases the GIL on large
+    buffers. Small blocks are grouped into tasks of >= TASK_BYTES so task
+    overhead stays negligible.
     """
 
     TASK_BYTES = 1 << 20

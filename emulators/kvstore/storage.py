@@ -159,7 +159,8 @@ class BlockStore:
     def open_block(self, key: str) -> BlockHandle:
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NOFOLLOW: a block is a regular file we wrote, never a link to elsewhere.
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise MissingBlockError(f"block {key} not found", key=key) from None
         except OSError as exc:
