@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dualpath.traffic_classes import KV_PORT_RANGE
+from dualpath.traffic_classes import KV, KV_PORT_RANGE
 from dualpath.transport import (
     MODEL_PORT_RANGE,
     Agent,
@@ -26,6 +26,7 @@ from dualpath.transport import (
     rdma_devices,
 )
 from dualpath.transport.agent import Transfer
+from dualpath.transport.bench import CONTROL_PORT
 
 REPO = Path(__file__).resolve().parents[1]
 NS_A, NS_B = "dpt-xt-a", "dpt-xt-b"
@@ -261,17 +262,58 @@ def _pair(target_args=(), initiator_args=(), env=None, timeout=90) -> tuple[dict
     return _last_json(i_out), _last_json(t_out)
 
 
+NFT_TABLE = "dpt_xt"
+
+
+def _install_dscp_marking(ns: str) -> None:
+    """Mark the kv port range with the kv DSCP on output, count TCP by DSCP on input
+    (the control socket excluded): what the fabric does, reduced to one table."""
+    lo, hi = KV_PORT_RANGE
+    rules = f"""table inet {NFT_TABLE} {{
+  chain out {{
+    type filter hook output priority mangle; policy accept;
+    tcp dport {lo}-{hi} ip dscp set {KV.dscp}
+    tcp sport {lo}-{hi} ip dscp set {KV.dscp}
+  }}
+  chain in {{
+    type filter hook input priority mangle; policy accept;
+    tcp dport {CONTROL_PORT} accept
+    tcp sport {CONTROL_PORT} accept
+    ip protocol tcp ip dscp {KV.dscp} counter
+    ip protocol tcp ip dscp != {KV.dscp} counter
+  }}
+}}
+"""
+    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, text=True,
+                   check=True, capture_output=True, timeout=30)
+
+
+def _dscp_counters(ns: str) -> tuple[int, int]:
+    """(bytes of TCP that arrived with the kv DSCP, bytes of other TCP), control excluded."""
+    out = json.loads(_sh("ip", "netns", "exec", ns, "nft", "-j", "list", "chain", "inet",
+                         NFT_TABLE, "in").stdout)["nftables"]
+    counts = [e["counter"]["bytes"] for r in out if "rule" in r
+              for e in r["rule"]["expr"] if "counter" in e]
+    assert len(counts) == 2, out
+    return counts[0], counts[1]
+
+
 @pytest.fixture(scope="module")
 def check_run(netns_pair):
+    marking = shutil.which("nft") is not None
+    if marking:
+        for ns in (NS_A, NS_B):
+            _install_dscp_marking(ns)
     before = {VETH_A: _counters(NS_A, VETH_A), VETH_B: _counters(NS_B, VETH_B)}
     ini, tgt = _pair(("--size", str(16 << 20)), ("--size", str(16 << 20), "--mode", "check"))
     after = {VETH_A: _counters(NS_A, VETH_A), VETH_B: _counters(NS_B, VETH_B)}
-    return ini, tgt, before, after
+    dscp = {ns: _dscp_counters(ns) for ns in (NS_A, NS_B)} if marking else None
+    return ini, tgt, before, after, dscp
 
 
 @pytest.mark.root
 def test_netns_roundtrip_byte_exact(check_run):
-    ini, tgt, _, _ = check_run
+    ini, tgt, _, _, _ = check_run
     assert ini["transport_in_use"] == f"ucx/tcp via {VETH_A}"
     assert ini["peer_transport_in_use"] == f"ucx/tcp via {VETH_B}"
     assert tgt["transport_in_use"] == f"ucx/tcp via {VETH_B}"
@@ -288,7 +330,7 @@ def test_netns_roundtrip_byte_exact(check_run):
 
 @pytest.mark.root
 def test_netns_bytes_crossed_the_veth(check_run):
-    ini, _, before, after = check_run
+    ini, _, before, after, _ = check_run
     c = ini["check"]
     written = c["write_batch"]["bytes"] + c["write_each"]["bytes"] + c["full_roundtrip"]["bytes"]
     read = c["read_batch"]["bytes"] + c["read_each"]["bytes"] + c["full_roundtrip"]["bytes"]
@@ -299,6 +341,21 @@ def test_netns_bytes_crossed_the_veth(check_run):
     # WRITE payload leaves A and enters B; READ payload leaves B and enters A
     assert a_tx >= written and b_rx >= written, (a_tx, b_rx, written)
     assert b_tx >= read and a_rx >= read, (b_tx, a_rx, read)
+
+
+@pytest.mark.root
+def test_netns_kv_transport_bytes_arrive_marked(check_run):
+    """A kv agent listens in the kv port range, so marking by port catches every data-plane
+    packet in both directions (READ replies too): none arrives unmarked."""
+    ini, _, _, _, dscp = check_run
+    if dscp is None:
+        pytest.skip("nftables (nft) is not installed")
+    c = ini["check"]
+    written = c["write_batch"]["bytes"] + c["write_each"]["bytes"] + c["full_roundtrip"]["bytes"]
+    read = c["read_batch"]["bytes"] + c["read_each"]["bytes"] + c["full_roundtrip"]["bytes"]
+    (a_kv, a_other), (b_kv, b_other) = dscp[NS_A], dscp[NS_B]
+    assert b_kv >= written and a_kv >= read, dscp
+    assert a_other == 0 and b_other == 0, dscp
 
 
 @pytest.mark.root

@@ -212,12 +212,27 @@ def _connect(args) -> tuple[Agent, Control, str, dict, dict]:
     for name, buf in local.items():
         agent.register(name, buf, kind=name)
     ctl = Control("initiator", args.peer_ip, args.control_port, args.timeout)
-    # The target may still be starting: REQ queues the message until it binds; bounded wait.
-    hello = ctl.call({"cmd": "hello", "md": agent.metadata()}, timeout_s=args.connect_timeout)
-    peer = agent.add_peer(hello["md"])
-    if hello["size"] != args.size:
-        raise ControlError(f"target region size {hello['size']} != --size {args.size}")
+    try:
+        # The target may still be starting: REQ queues the message until it binds; bounded wait.
+        hello = ctl.call({"cmd": "hello", "md": agent.metadata()}, timeout_s=args.connect_timeout)
+        if hello["size"] != args.size:
+            _bye(ctl)
+            raise ControlError(f"target region size {hello['size']} != --size {args.size}: "
+                               f"pass the same --size to both roles")
+        peer = agent.add_peer(hello["md"])
+    except BaseException:
+        ctl.close()
+        agent.close()
+        raise
     return agent, ctl, peer, local, hello
+
+
+def _bye(ctl: Control) -> None:
+    """Best effort: let the target exit now rather than at --max-time."""
+    try:
+        ctl.call({"cmd": "bye"}, timeout_s=2.0)
+    except Exception:
+        pass
 
 
 def measure_throughput(agent: Agent, peer: str, op: str, size: int, ndesc: int, reps: int,
@@ -393,8 +408,8 @@ def run_initiator(args) -> dict:
             out["check"] = run_check(agent, ctl, peer, local, args.size)
         else:
             out.update(run_bench(agent, ctl, peer, args))
-        ctl.call({"cmd": "bye"})
     finally:
+        _bye(ctl)
         ctl.close()
         agent.close()
     return out
