@@ -1,0 +1,174 @@
+"""The scheduler on the control plane: a ZeroMQ ROUTER that engine group leaders pull from.
+
+Leaders send `pull` with fresh reports for their engines and get back their assignments; a frontend
+sends `submit` with new requests. Nothing is ever pushed. One thread owns the Scheduler and the
+socket, so the core needs no locks. Malformed input gets an error reply and the loop carries on;
+the loop itself is bounded by a message count and a deadline.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from .core import Scheduler
+from .messages import (
+    AssignmentMsg, BadMessage, EngineReportMsg, PingMsg, PullMsg, RequestMsg, StatsMsg, SubmitMsg,
+    assignment_to_dict, error_reply, pack, parse, unpack_map,
+)
+
+MAX_MSG_BYTES = 8 << 20  # zmq drops bigger messages before they reach Python
+
+
+class SchedulerService:
+    def __init__(self, scheduler: Scheduler, endpoint: str = "tcp://127.0.0.1:*",
+                 context: zmq.Context | None = None) -> None:
+        """Binds at once; `endpoint` may end in ":*" for an OS-chosen port, see `.endpoint`."""
+        self.scheduler = scheduler
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer's reply is dropped, not raised
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.handled = 0
+        self.errors = 0
+
+    # -------------------------------------------------------------- pure request handling
+    def handle(self, payload: bytes) -> dict[str, Any]:
+        """One request in, one reply out. Never raises for anything a peer can send."""
+        try:
+            msg = parse(payload)
+        except BadMessage as e:
+            self.errors += 1
+            return error_reply(e)
+        try:
+            return self._dispatch(msg)
+        except BadMessage as e:
+            self.errors += 1
+            return error_reply(e)
+        except ValueError as e:  # the core refusing a well-formed message (e.g. a role change)
+            self.errors += 1
+            return {"type": "error", "msg_id": msg.msg_id, "field": "", "error": str(e)}
+
+    def _dispatch(self, msg: PullMsg | SubmitMsg | PingMsg | StatsMsg) -> dict[str, Any]:
+        s = self.scheduler
+        if isinstance(msg, PingMsg):
+            return {"type": "pong", "msg_id": msg.msg_id}
+        if isinstance(msg, StatsMsg):
+            return {"type": "stats", "msg_id": msg.msg_id, "queues": s.queue_lengths(),
+                    "handled": self.handled, "errors": self.errors}
+        if isinstance(msg, SubmitMsg):
+            now = s.clock()
+            reqs = [m.to_record(now) for m in msg.requests]
+            seen: set[str] = set()
+            for i, r in enumerate(reqs):  # check all first so a submit is all or nothing
+                if r.request_id in seen or s.knows(r.request_id):
+                    raise BadMessage(f"requests.{i}.request_id", f"duplicate request id {r.request_id!r}", msg.msg_id)
+                seen.add(r.request_id)
+            for r in reqs:
+                s.on_request(r)
+            return {"type": "ok", "msg_id": msg.msg_id, "accepted": len(reqs)}
+        # pull: reports first, so this very pull decides on them
+        for i, rep in enumerate(msg.reports):
+            if rep.group_id != msg.group_id:
+                raise BadMessage(f"reports.{i}.group_id", "a leader reports only its own group's engines", msg.msg_id)
+        for rep in msg.reports:
+            s.on_report(rep.to_record())
+        out = s.pull(msg.group_id)
+        return {"type": "assignments", "msg_id": msg.msg_id, "assignments": [assignment_to_dict(a) for a in out]}
+
+    # -------------------------------------------------------------- socket loop
+    def serve(self, max_messages: int, max_seconds: float, stop: threading.Event | None = None,
+              poll_ms: int = 50) -> int:
+        """Serve until `max_messages` were handled, `max_seconds` passed or `stop` is set."""
+        deadline = time.monotonic() + max_seconds
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        n = 0
+        while n < max_messages and time.monotonic() < deadline and not (stop and stop.is_set()):
+            if not poller.poll(poll_ms):
+                continue
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            n += 1
+            self.handled += 1
+            ident, body = frames[0], frames[1:]
+            envelope: list[bytes] = []
+            if body and body[0] == b"":  # REQ-style delimiter: echo it back
+                envelope, body = [b""], body[1:]
+            if len(body) != 1:
+                self.errors += 1
+                reply = error_reply(BadMessage("", f"expected exactly one payload frame, got {len(body)}"))
+            else:
+                reply = self.handle(body[0])
+            try:
+                self._sock.send_multipart([ident, *envelope, pack(reply)], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # peer's queue full: it will time out and retry
+        return n
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SchedulerError(RuntimeError):
+    def __init__(self, field: str, error: str) -> None:
+        super().__init__(f"scheduler rejected {field or 'message'}: {error}")
+        self.field = field
+        self.error = error
+
+
+class SchedulerClient:
+    """What a group leader (or the request frontend) uses. Not thread-safe: one per thread."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        self._sock.connect(endpoint)
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+
+    def call_raw(self, payload: bytes, msg_id: int | None = None) -> dict[str, Any]:
+        """Send one payload frame, wait for the reply echoing `msg_id` (any reply if None)."""
+        self._sock.send_multipart([b"", payload])
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise TimeoutError(f"no reply from scheduler within {self.timeout_s} s")
+            frames = self._sock.recv_multipart()
+            reply = unpack_map(frames[-1])
+            if msg_id is None or reply.get("msg_id") == msg_id:
+                return reply  # others are late replies to calls that already timed out
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        msg_id = next(self._ids)
+        reply = self.call_raw(pack({**msg, "msg_id": msg_id}), msg_id)
+        if reply.get("type") == "error":
+            raise SchedulerError(str(reply.get("field", "")), str(reply.get("error", "")))
+        return reply
+
+    def ping(self) -> bool:
+        return self._call({"type": "ping"})["type"] == "pong"
+
+    def submit(self, requests: Sequence[RequestMsg | dict[str, Any]]) -> int:
+        reqs = [r.model_dump() if isinstance(r, RequestMsg) else r for r in requests]
+        return int(self._call({"type": "submit", "requests": reqs})["accepted"])
+
+    def pull(self, group_id: str, reports: Sequence[EngineReportMsg | dict[str, Any]] = ()) -> list[AssignmentMsg]:
+        reps = [r.model_dump() if isinstance(r, EngineReportMsg) else r for r in reports]
+        reply = self._call({"type": "pull", "group_id": group_id, "reports": reps})
+        return [AssignmentMsg.model_validate(a) for a in reply["assignments"]]
+
+    def stats(self) -> dict[str, Any]:
+        return self._call({"type": "stats"})
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
