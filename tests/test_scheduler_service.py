@@ -98,6 +98,21 @@ def test_client_raises_and_duplicate_submit_is_all_or_nothing(service):
     assert c.stats()["queues"]["pe_waiting"] == 1  # "b" was not admitted either
 
 
+def test_core_refusals_and_internal_errors_do_not_stop_the_service(service, monkeypatch):
+    svc, c = service
+    c.pull("g", [report("a", "n", "prefill", "g")])
+    with pytest.raises(SchedulerError) as ei:  # a group cannot hold both roles
+        c.pull("g", [report("b", "n", "decode", "g")])
+    assert "prefill" in ei.value.error and "internal" not in ei.value.error
+    def boom(group_id):
+        raise KeyError("bug")
+    monkeypatch.setattr(svc.scheduler, "pull", boom)
+    with pytest.raises(SchedulerError) as ei:
+        c.pull("g")
+    assert "internal error" in ei.value.error
+    assert c.ping() and svc.errors == 2
+
+
 def test_wrong_frame_counts_and_raw_sockets(service):
     svc, _ = service
     ctx = zmq.Context.instance()

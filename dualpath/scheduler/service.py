@@ -8,6 +8,7 @@ the loop itself is bounded by a message count and a deadline.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from .messages import (
     AssignmentMsg, BadMessage, EngineReportMsg, PingMsg, PullMsg, RequestMsg, StatsMsg, SubmitMsg,
     assignment_to_dict, error_reply, pack, parse, unpack_map,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_MSG_BYTES = 8 << 20  # zmq drops bigger messages before they reach Python
 
@@ -55,6 +58,10 @@ class SchedulerService:
         except ValueError as e:  # the core refusing a well-formed message (e.g. a role change)
             self.errors += 1
             return {"type": "error", "msg_id": msg.msg_id, "field": "", "error": str(e)}
+        except Exception as e:  # a bug of ours: say so and keep serving the other leaders
+            self.errors += 1
+            log.exception("scheduler failed on a %s message", msg.type)
+            return {"type": "error", "msg_id": msg.msg_id, "field": "", "error": f"internal error: {type(e).__name__}: {e}"}
 
     def _dispatch(self, msg: PullMsg | SubmitMsg | PingMsg | StatsMsg) -> dict[str, Any]:
         s = self.scheduler
