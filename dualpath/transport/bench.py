@@ -296,7 +296,12 @@ def run_iperf3(ctl: Control, peer_ip: str, port: int, seconds: float) -> dict:
         raise ControlError(f"iperf3 client failed: {p.stderr.strip() or p.stdout[-300:]}")
     j = json.loads(p.stdout)
     bps = j["end"]["sum_received"]["bits_per_second"]
-    return {"seconds": seconds, "port": port, "GBps": bps / 8 / 1e9, "Gbitps": bps / 1e9}
+    cpu = j["end"].get("cpu_utilization_percent", {})
+    gb = j["end"]["sum_received"]["bytes"] / 1e9
+    out = {"seconds": seconds, "port": port, "GBps": bps / 8 / 1e9, "Gbitps": bps / 1e9}
+    if cpu and gb > 0:  # percent of one CPU over the run, both ends: CPU seconds per GB
+        out["cpu_s_per_GB"] = (cpu.get("host_total", 0) + cpu.get("remote_total", 0)) / 100 * seconds / gb
+    return out
 
 
 def run_check(agent: Agent, ctl: Control, peer: str, local: dict, size: int) -> dict:
@@ -361,9 +366,15 @@ def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
     out: dict[str, Any] = {"rounds": args.rounds}
     per: dict[tuple[str, int], list[dict]] = {}
     iperf: list[float] = []
+    iperf_cpu: list[float] = []
     round_ratio: dict[str, list[float]] = {"READ": [], "WRITE": []}
     for _ in range(args.rounds):
-        ip = run_iperf3(ctl, args.peer_ip, args.iperf_port, args.iperf_seconds)["GBps"] if args.iperf3 else None
+        ip = None
+        if args.iperf3:
+            r = run_iperf3(ctl, args.peer_ip, args.iperf_port, args.iperf_seconds)
+            ip = r["GBps"]
+            if "cpu_s_per_GB" in r:
+                iperf_cpu.append(r["cpu_s_per_GB"])
         best_this_round = {"READ": 0.0, "WRITE": 0.0}
         for nd in args.ndesc:
             for op in args.ops:
@@ -377,9 +388,12 @@ def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
     tp = []
     for (op, nd), ms in per.items():
         rates = [x for m in ms for x in m["all_GBps"]]
+        both = [sum(m["cpu_s_per_GB"][side][k] for side in ("initiator", "target")
+                    for k in ("user", "sys")) for m in ms]
         tp.append({"op": op, "ndesc": nd, "bytes": args.size, "reps": len(rates),
                    "best_GBps": max(rates), "median_GBps": statistics.median(rates),
-                   "all_GBps": rates, "cpu_s_per_GB": ms[-1]["cpu_s_per_GB"]})
+                   "all_GBps": rates, "cpu_s_per_GB": ms[-1]["cpu_s_per_GB"],
+                   "cpu_s_per_GB_both_sides_median": statistics.median(both)})
     out["throughput"] = tp
     for op in args.ops:
         out[f"{op}_best_GBps"] = max(t["best_GBps"] for t in tp if t["op"] == op)
@@ -390,6 +404,13 @@ def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
         for op in args.ops:
             out[f"{op}_over_iperf3_best"] = out[f"{op}_best_GBps"] / max(iperf)
             out[f"{op}_over_iperf3_median"] = statistics.median(round_ratio[op])
+        if iperf_cpu:
+            # CPU work per byte is far less disturbed by other load than GB/s: on a CPU-bound
+            # machine, throughput ~ cores / (CPU s per GB). >1 means cheaper than iperf3.
+            out["iperf3"]["cpu_s_per_GB_median"] = statistics.median(iperf_cpu)
+            for op in args.ops:
+                nixl_cpu = min(t["cpu_s_per_GB_both_sides_median"] for t in tp if t["op"] == op)
+                out[f"{op}_cpu_efficiency_vs_iperf3"] = statistics.median(iperf_cpu) / nixl_cpu
     if args.sub_ndesc:
         out["submission"] = [measure_submission(agent, peer, op, args.sub_ndesc, args.sub_len, args.reps)
                              for op in args.ops]
