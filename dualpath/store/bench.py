@@ -16,6 +16,12 @@ What is compared, and why:
   * store_warm_gbps: get_many with the blocks already cached: not a disk
     number (it measures loopback, copies and CRC), reported so the two costs
     can be told apart.
+  * loopback_floor_gbps: the same bytes, cached, sendfile()d over loopback
+    TCP into recv_into() with no protocol and no CRC: the price of crossing a
+    socket at all on this machine. floor_ratio (floor / fio_direct) bounds
+    the ratio any TCP store could reach here while the CPU is the limit;
+    store_warm against the floor is what the store itself (protocol, one file
+    per block, CRC) costs.
 Comparing a warm store with fio, or a cold store with a cached fio, would
 measure memory against disk, so the ratio only uses the cold/direct pair.
 """
@@ -24,9 +30,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +75,48 @@ def _fio_gbps(path: Path, size: int, *, direct: bool, iodepth: int, fio_bin: str
     # fio may print warnings before the JSON document.
     job = json.loads(out[out.index("{") :])["jobs"][0]
     return job["read"]["bw_bytes"] / 1e9
+
+
+def _loopback_floor_gbps(path: Path, size: int, timeout_s: float) -> float:
+    """sendfile() a cached file over loopback TCP into recv_into(), nothing else.
+
+    The least any TCP store must pay on this machine (no disk, no protocol, no
+    CRC, no per-block files): separates the cost of crossing a socket from
+    the cost of the store itself.
+    """
+    chunk = 1 << 20
+    with open(path, "rb", buffering=0) as f:  # into the page cache first
+        scratch = bytearray(chunk)
+        while f.readinto(scratch):
+            pass
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        lsock.settimeout(timeout_s)
+        result: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                conn, _ = lsock.accept()
+                with conn, open(path, "rb") as f:
+                    conn.sendfile(f, 0, size)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                result.append(exc)
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        with socket.create_connection(lsock.getsockname(), timeout=timeout_s) as sock:
+            view = memoryview(bytearray(chunk))
+            t0 = time.perf_counter()
+            got = 0
+            while got < size:
+                k = sock.recv_into(view, min(chunk, size - got))
+                if k == 0:
+                    raise RuntimeError("loopback sender stopped early")
+                got += k
+            dt = time.perf_counter() - t0
+        th.join(timeout_s)
+        if result:
+            raise result[0]
+    return size / 1e9 / dt
 
 
 def bench_store_vs_fio(
@@ -118,7 +168,6 @@ def bench_store_vs_fio(
                     client.get_many(keys[start : start + per_batch], buf)
                 return total / 1e9 / (time.perf_counter() - t0)
 
-            warm = read_all()  # blocks are cached right after the puts
             # fio's file sits beside the blocks, so both read the same disk.
             fio_file = tmp / "fio.dat"
 
@@ -129,13 +178,15 @@ def bench_store_vs_fio(
             _fio_gbps(fio_file, total, direct=True, timeout_s=left(), **fio_args)  # lays the file out; not counted
             # Interleave store and fio runs so both see the same background load
             # (the machine is shared); the ratio is the median of the pairs.
-            cold, direct = [], []
+            cold, warm, direct, floor = [], [], [], []
             for _ in range(repeats):
                 if time.monotonic() > deadline:
                     raise TimeoutError("store benchmark ran out of time")
                 _evict(files)
                 cold.append(read_all())
+                warm.append(read_all())  # now cached
                 direct.append(_fio_gbps(fio_file, total, direct=True, timeout_s=left(), **fio_args))
+                floor.append(_loopback_floor_gbps(fio_file, total, timeout_s=left()))
             # Spot check: the last batch read is byte-exact.
             last = n_blocks - 1 - ((n_blocks - 1) % per_batch)
             i = n_blocks - 1
@@ -153,7 +204,9 @@ def bench_store_vs_fio(
         "store_cold_gbps": round(statistics.median(cold), 3),
         "fio_direct_gbps": round(statistics.median(direct), 3),
         "ratio": round(statistics.median(ratios), 3),
-        "store_warm_gbps": round(warm, 3),
+        "store_warm_gbps": round(statistics.median(warm), 3),
+        "loopback_floor_gbps": round(statistics.median(floor), 3),
+        "floor_ratio": round(statistics.median(floor) / statistics.median(direct), 3),
         "fio_buffered_gbps": round(buffered, 3),
         "store_cold_runs_gbps": [round(x, 3) for x in cold],
         "fio_direct_runs_gbps": [round(x, 3) for x in direct],

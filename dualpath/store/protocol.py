@@ -39,7 +39,7 @@ PROTOCOL_VERSION = 1
 _LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 * 1024  # a header is control only; anything bigger is an attack or a bug
 OPS = ("put", "get", "mget", "has", "delete", "stat")
-MAX_MGET_KEYS = 256  # server limit per mget frame
+MAX_MGET_KEYS = 128  # server limit per mget frame (open files per connection)
 
 
 def pack_frame(header: dict[str, Any]) -> bytes:

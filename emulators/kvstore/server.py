@@ -33,7 +33,7 @@ from dualpath.store.errors import (
 from dualpath.store.keys import check_key
 from dualpath.store.protocol import MAX_MGET_KEYS, OPS, PROTOCOL_VERSION, format_address, pack_frame, parse_address, recv_header
 
-from .storage import BlockStore, RecoveryReport
+from .storage import BlockHandle, BlockStore, RecoveryReport
 
 log = logging.getLogger("emulators.kvstore.server")
 
@@ -272,19 +272,43 @@ class StoreServer:
         """Several gets in one frame; replies carry ids rid, rid+1, ... in key order.
 
         Knowing the whole batch lets the server ask the kernel to start reading
-        every block at once (WILLNEED), so the disk sees a queue of requests
-        instead of one file at a time: that is what lets cold reads approach
-        the disk's own sequential rate.
+        every block at once (WILLNEED), so a cold read keeps the disk busy with
+        a queue of requests instead of waiting on one file at a time. Each
+        file is opened once; the batch's open files are bounded by
+        MAX_MGET_KEYS per connection.
         """
         keys = req.get("keys")
         if not isinstance(keys, list) or not 0 < len(keys) <= MAX_MGET_KEYS:
             # The client waits for one reply per key it thinks it asked for: hang up rather than let it wait.
             self._reply_error(conn, rid, BadRequestError(f"mget needs a list of 1..{MAX_MGET_KEYS} keys"))
             raise _CloseConnection
-        for key in keys:
-            self.store.prefetch(key)
-        for i, key in enumerate(keys):
-            self._get(conn, rid + i, key, scratch)
+        # Open and prefetch the whole batch first, then validate and send in order.
+        opened: list[int | StoreError | None] = []
+        try:
+            for key in keys:
+                try:
+                    fd = self.store.open_fd(check_key(key))
+                except StoreError as err:
+                    opened.append(err)
+                    continue
+                opened.append(fd)
+                self.store.prefetch_fd(fd)
+            for i, key in enumerate(keys):
+                item, opened[i] = opened[i], None  # the handle now owns the fd
+                if isinstance(item, StoreError):
+                    self._reply_error(conn, rid + i, item)
+                    continue
+                assert isinstance(item, int)
+                try:
+                    handle = self.store.check_block(key, item)
+                except StoreError as err:
+                    self._reply_error(conn, rid + i, err)
+                    continue
+                self._send_block(conn, rid + i, handle, scratch)
+        finally:
+            for item in opened:
+                if isinstance(item, int):
+                    os.close(item)
 
     def _get(self, conn: socket.socket, rid: int, key: Any, scratch: bytearray) -> None:
         try:
@@ -292,6 +316,10 @@ class StoreServer:
         except StoreError as err:
             self._reply_error(conn, rid, err)
             return
+        self._send_block(conn, rid, handle, scratch)
+
+    def _send_block(self, conn: socket.socket, rid: int, handle: BlockHandle, scratch: bytearray) -> None:
+        """Reply header, then the payload straight from the file. Closes the handle."""
         try:
             if self.verify_reads:
                 try:

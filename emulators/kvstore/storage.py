@@ -157,38 +157,42 @@ class BlockStore:
 
     # ---- reads -----------------------------------------------------------
     def open_block(self, key: str) -> BlockHandle:
+        return self.check_block(key, self.open_fd(key))
+
+    def open_fd(self, key: str) -> int:
+        """Open a block's file (no validation yet). MissingBlockError if absent."""
         path = self.path_of(key)
         try:
             # O_NOFOLLOW: a block is a regular file we wrote, never a link to elsewhere.
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise MissingBlockError(f"block {key} not found", key=key) from None
         except OSError as exc:
             raise _os_error(exc, "opening", key) from None
+
+    @staticmethod
+    def prefetch_fd(fd: int) -> None:
+        """Ask the kernel to start reading the whole file now (asynchronously); only a hint."""
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+    @staticmethod
+    def check_block(key: str, fd: int) -> BlockHandle:
+        """Validate an open block file's header and size; takes ownership of fd."""
         try:
             size = os.fstat(fd).st_size
             n, crc = decode_header(os.pread(fd, HEADER_SIZE, 0), key)
             if size != HEADER_SIZE + n:
                 raise CorruptBlockError(f"block {key}: file is {size} bytes, header says {HEADER_SIZE + n}", key=key)
             return BlockHandle(key, fd, n, crc)
+        except OSError as exc:
+            os.close(fd)
+            raise _os_error(exc, "reading", key) from None
         except BaseException:
             os.close(fd)
             raise
-
-    def prefetch(self, key: object) -> None:
-        """Start reading a block into the page cache without waiting (a hint: errors are ignored)."""
-        if not is_valid_key(key):
-            return  # the real get reports it
-        try:
-            fd = os.open(self.path_of(key), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
     def verify(self, handle: BlockHandle, scratch: memoryview) -> None:
         """Check the payload CRC on the server (optional: the client always checks)."""
