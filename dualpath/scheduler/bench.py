@@ -6,7 +6,8 @@ GPUs, one engine group per node. Each round refreshes every engine's report with
 a batch of requests, then times the pulls that place them all. The cost of a round divided by the
 requests it placed is one sample; the median over rounds is the figure of merit (budget 50 us).
 
-    python -m dualpath.scheduler.bench [--engines 1152] [--requests 20000] [--batch 32]
+    python -m dualpath.scheduler.bench [--engines 1152] [--requests 20000] [--batch 32 1]
+                                       [--policy shorter|rr|split|pe] [--nodes-per-group 1]
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ BENCH_PROFILE = Profile(
 
 
 def _reports(rng: random.Random, n_engines: int, gpus_per_node: int, prefill_fraction: float,
-             profile: Profile, alpha_s: float, beta_s: float) -> list[EngineReport]:
+             profile: Profile, alpha_s: float, beta_s: float, nodes_per_group: int = 1) -> list[EngineReport]:
     n_nodes = n_engines // gpus_per_node
     n_p = max(1, round(n_nodes * prefill_fraction))
     alpha = alpha_s * profile.snic_bytes_per_s
@@ -40,15 +41,16 @@ def _reports(rng: random.Random, n_engines: int, gpus_per_node: int, prefill_fra
     for n in range(n_nodes):
         pre = n < n_p
         read_q = int(rng.uniform(0, 2 * alpha))  # about half the nodes in C2, half in C3
+        grp = n // nodes_per_group if pre else (n - n_p) // nodes_per_group
         for g in range(gpus_per_node):
             if pre:
                 tok = int(rng.uniform(0, 1.5 * beta))  # about a third overloaded (C1)
-                out.append(EngineReport(f"p{n}.{g}", f"pn{n}", Role.PREFILL, f"pg{n}",
+                out.append(EngineReport(f"p{n}.{g}", f"pn{n}", Role.PREFILL, f"pg{grp}",
                                         max(1, tok // 30_000), tok, 0, 0, read_q))
             else:
                 tok = int(rng.uniform(0, 400_000))
                 free = int(rng.uniform(50_000, 600_000))
-                out.append(EngineReport(f"d{n}.{g}", f"dn{n}", Role.DECODE, f"dg{n}",
+                out.append(EngineReport(f"d{n}.{g}", f"dn{n}", Role.DECODE, f"dg{grp}",
                                         tok // 30_000, tok, free, free * profile.kv_bytes_per_token, read_q))
     return out
 
@@ -61,6 +63,7 @@ def bench_decision_cost(
     prefill_fraction: float = 1 / 3,  # 48P96D
     path_policy: str = "shorter",
     seed: int = 0,
+    nodes_per_group: int = 1,  # engine group = this many nodes (the paper's EP groups may span nodes)
 ) -> dict:
     """Median (and p90/p99) per-request decision cost in microseconds; see the module doc."""
     if n_engines % gpus_per_node:
@@ -68,8 +71,10 @@ def bench_decision_cost(
     rng = random.Random(seed)
     t = [0.0]
     sched = Scheduler(BENCH_PROFILE, path_policy=path_policy, clock=lambda: t[0])
-    reports = _reports(rng, n_engines, gpus_per_node, prefill_fraction, BENCH_PROFILE, 3.0, 5.0)
-    sched.on_reports(reports)
+    def reports() -> list[EngineReport]:
+        return _reports(rng, n_engines, gpus_per_node, prefill_fraction, BENCH_PROFILE, 3.0, 5.0, nodes_per_group)
+
+    sched.on_reports(reports())
     pe_groups = sorted(g for g, s in sched.groups.items() if s.role is Role.PREFILL)
     de_groups = sorted(g for g, s in sched.groups.items() if s.role is Role.DECODE)
     samples_us: list[float] = []
@@ -81,7 +86,7 @@ def bench_decision_cost(
     for rnd in range(n_rounds):
         # untimed: the cluster drains and reports afresh; leaders collect their deliveries
         if rnd % refresh_every == 0:
-            sched.on_reports(_reports(rng, n_engines, gpus_per_node, prefill_fraction, BENCH_PROFILE, 3.0, 5.0))
+            sched.on_reports(reports())
         for g in pe_groups:
             sched.pull(g)
         reqs = []
@@ -121,6 +126,7 @@ def bench_decision_cost(
         "n_engines": n_engines,
         "pe_groups": len(pe_groups),
         "de_groups": len(de_groups),
+        "engines_per_group": gpus_per_node * nodes_per_group,
         "batch": batch,
         "rounds": len(samples_us),
         "requests_placed": placed_total,
@@ -139,11 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 1])
     ap.add_argument("--policy", default="shorter", choices=["shorter", "rr", "split", "pe"])
+    ap.add_argument("--nodes-per-group", type=int, default=1)
     a = ap.parse_args(argv)
     for b in a.batch:
-        r = bench_decision_cost(a.engines, a.requests if b > 1 else min(a.requests, 5_000), b, path_policy=a.policy)
+        r = bench_decision_cost(a.engines, a.requests if b > 1 else min(a.requests, 5_000), b, path_policy=a.policy,
+                                nodes_per_group=a.nodes_per_group)
         print(
-            f"engines={r['n_engines']} ({r['pe_groups']} PE + {r['de_groups']} DE groups) batch={b} "
+            f"engines={r['n_engines']} ({r['pe_groups']} PE + {r['de_groups']} DE groups of "
+            f"{r['engines_per_group']}) batch={b} "
             f"policy={r['path_policy']} placed={r['requests_placed']}: median {r['median_us']:.1f} us/request "
             f"(p90 {r['p90_us']:.1f}, p99 {r['p99_us']:.1f}), {r['ratio_to_budget']:.2f}x the {BUDGET_US:.0f} us budget"
         )
