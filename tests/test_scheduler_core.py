@@ -142,6 +142,23 @@ def test_duplicate_ids_and_stale_engines():
     assert s.pe_waiting == 0
 
 
+def test_bad_reports_leave_no_half_registered_engine():
+    s = Scheduler(PROFILE, clock=lambda: 0.0)
+    cluster(s, n_pe=1, n_de=0)
+    with pytest.raises(ValueError):
+        s.on_report(rep("x", "dn", Role.DECODE, "pg"))  # decode engine in a prefill group
+    assert "x" not in s.engines and [e.engine_id for e in s.groups["pg"].engines] == ["p0"]
+    s.on_report(rep("x", "dn", Role.DECODE, "dg"))
+    assert s.groups["dg"].engines == [s.engines["x"]]
+    # moving an idle engine to another group is allowed; with work in flight it is refused
+    s.on_report(rep("x", "dn", Role.DECODE, "dg2", tok=7))
+    assert s.groups["dg"].engines == [] and s.groups["dg2"].tok_sum == 7
+    s.on_request(req(0))
+    s.pull("pg")
+    with pytest.raises(ValueError):
+        s.on_report(rep("p0", "pn", Role.PREFILL, "pg2"))
+
+
 def test_cancel_waiting_undoes_pe_load():
     s = Scheduler(PROFILE, clock=lambda: 0.0)
     cluster(s, n_pe=1)

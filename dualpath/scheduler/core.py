@@ -111,17 +111,17 @@ class Scheduler:
             self._unregister(e)
             e = None
         if e is None:
-            e = EngineState(r.engine_id, node, r.group_id, r.role, index=self._next_index)
-            self._next_index += 1
-            self.engines[r.engine_id] = e
             g = self.groups.get(r.group_id)
+            if g is not None and g.role != r.role:  # checked before anything is registered
+                raise ValueError(f"group {r.group_id} is {g.role.value}, engine {r.engine_id} reports {r.role.value}")
             if g is None:
                 g = self.groups[r.group_id] = GroupState(r.group_id, r.role)
                 if r.role is Role.DECODE:
                     self._de_private[r.group_id] = deque()
                     self._de_queued_tok[r.group_id] = 0
-            elif g.role != r.role:
-                raise ValueError(f"group {r.group_id} is {g.role.value}, engine {r.engine_id} reports {r.role.value}")
+            e = EngineState(r.engine_id, node, r.group_id, r.role, index=self._next_index)
+            self._next_index += 1
+            self.engines[r.engine_id] = e
             g.engines.append(e)
             if r.role is Role.DECODE:
                 self._balancer.set(g.group_id, g.tok_sum + self._de_queued_tok[g.group_id])
