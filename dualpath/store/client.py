@@ -35,6 +35,7 @@ from .striping import group_by_server
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 MAX_HAS_KEYS = 1024  # the server's per-request limit
+WINDOW_BYTES = 32 << 20  # default bytes of outstanding get requests per server
 
 
 class _Connection:
@@ -166,13 +167,17 @@ class StoreClient:
         *,
         read_q: ReadQueue | None = None,
         timeout_s: float = 30.0,
-        window: int = 32,
+        window: int | None = None,
         crc_threads: int = 1,
     ) -> None:
         if not servers:
             raise ValueError("need at least one store server")
         if block_bytes <= 0:
             raise ValueError("block_bytes must be positive")
+        if window is None:
+            # About WINDOW_BYTES in flight per server: deep enough to keep a disk busy
+            # on cold reads whatever the block size.
+            window = max(8, min(MAX_MGET_KEYS, WINDOW_BYTES // block_bytes))
         if window < 1:
             raise ValueError("window must be >= 1")
         self.block_bytes = block_bytes
