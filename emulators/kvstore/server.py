@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from dualpath.store.errors import (
@@ -114,6 +115,7 @@ class StoreServer:
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._refusers = threading.BoundedSemaphore(8)  # threads answering "busy" at once
         self.recovery: RecoveryReport | None = None
 
     # ---- lifecycle -------------------------------------------------------
@@ -183,25 +185,43 @@ class StoreServer:
             except OSError:
                 if self._stop.is_set():
                     return
-                continue  # e.g. EMFILE: keep serving the connections we have
+                self._stop.wait(0.05)  # e.g. EMFILE: back off, keep serving the connections we have
+                continue
             with self._conns_lock:
                 full = len(self._conns) >= self.max_conns
                 if not full:
                     self._conns.add(conn)
             if full:
-                self._refuse(conn)
+                if self._refusers.acquire(blocking=False):
+                    threading.Thread(target=self._refuse, args=(conn,), name="kvstore-refuse", daemon=True).start()
+                else:
+                    conn.close()  # refusing too many already: just hang up
                 continue
             threading.Thread(target=self._serve_conn, args=(conn,), name="kvstore-conn", daemon=True).start()
 
     def _refuse(self, conn: socket.socket) -> None:
+        """Tell a client over the connection limit that the server is busy.
+
+        The client's first request is read and dropped before closing: closing
+        with unread data would send a RST, which can destroy the busy reply
+        before the client reads it. At most 1 s and 1 MiB per refusal.
+        """
         try:
             conn.settimeout(1.0)
             err = ServerBusyError(f"server at its limit of {self.max_conns} connections")
             conn.sendall(pack_frame({"id": -1, "ok": False, "err": err.code, "msg": str(err), "key": None}))
+            conn.shutdown(socket.SHUT_WR)
+            deadline, drained = time.monotonic() + 1.0, 0
+            while drained < (1 << 20) and time.monotonic() < deadline:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
         except OSError:
             pass
         finally:
             conn.close()
+            self._refusers.release()
 
     def _serve_conn(self, conn: socket.socket) -> None:
         drain = bytearray(DRAIN_BYTES)
