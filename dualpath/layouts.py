@@ -100,6 +100,10 @@ class BlockGeometry:
         """Complete blocks in n_tokens (a partial tail block is not stored)."""
         return n_tokens // self.block_size
 
+    def blocks_spanned(self, n_tokens: int) -> int:
+        """Blocks that n_tokens occupy, the partial tail block included."""
+        return -(-n_tokens // self.block_size)
+
 
 def _as_bytes(buf) -> torch.Tensor:
     """A flat uint8 tensor sharing memory with `buf` (tensor, numpy array, bytearray, memoryview)."""
@@ -189,6 +193,16 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, geom: BlockGeometry, out: torch
     kv[:, 0] = k
     kv[:, 1] = v
     return out
+
+
+def pack_rows(k: torch.Tensor, v: torch.Tensor, geom: BlockGeometry, rows: torch.Tensor) -> torch.Tensor:
+    """One layer's K, V of any number of tokens written into contiguous token rows `rows`
+    ([n, bytes_per_token_per_layer] uint8): the engine-side ("HBM") layout of a layer."""
+    n = k.shape[0]
+    kv = rows.view(geom.dtype).view(n, 2, geom.n_kv_heads, geom.head_dim)
+    kv[:, 0] = k
+    kv[:, 1] = v
+    return rows
 
 
 def unpack_layer(lb: torch.Tensor, geom: BlockGeometry, n_tokens: int | None = None

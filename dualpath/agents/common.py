@@ -1,0 +1,40 @@
+"""What every node process shares: argument parsing, the transport agent, the RPC loop."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import numpy as np
+
+
+def base_args(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--name", required=True, help="agent name (also the namespace name)")
+    ap.add_argument("--iface", required=True, help="the only interface its KV bytes may use")
+    ap.add_argument("--ip", required=True, help="address to serve control on")
+    ap.add_argument("--control-port", type=int, default=5555)
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"])
+    ap.add_argument("--port-range", default=None, help="kv listening sub-range, e.g. 42000-42099")
+    return ap
+
+
+def make_agent(args, region: str, nbytes: int, kind: str):
+    """A kv-class NIXL agent on `args.iface` with one registered region of `nbytes`."""
+    from dualpath.transport import Agent
+    from dualpath.transport.env import parse_port_range
+
+    rng = parse_port_range(args.port_range) if args.port_range else None
+    # A host agent is a passive target: NIXL's progress thread serves its peers. An engine
+    # polls its own transfers; a second thread there would only contend for UCX's lock.
+    agent = Agent(args.name, args.iface, "kv", args.transport, port_range=rng,
+                  progress_thread=(kind == "dram"))
+    buf = np.zeros(nbytes, dtype=np.uint8)  # calloc: pages appear as they are touched
+    agent.register(region, buf, kind=kind)
+    return agent, buf
+
+
+def exit_on_sigterm() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,93 @@
+"""Host agent: a node's DRAM buffer (PE or DE buffer), its store client and NIXL agent.
+
+It runs in the node's host namespace. Engines READ from and WRITE into its
+buffer one-sided; it stays passive for those (NIXL's progress thread serves
+them) and only confirms, on request, that a peer's notifications have arrived.
+Over the control plane it serves the storage side: `load` (store -> buffer over
+the SNIC) and `flush` (buffer -> store, for decode write-back).
+"""
+from __future__ import annotations
+
+import time
+import zlib
+
+from dualpath.agents.common import base_args, exit_on_sigterm, make_agent
+from dualpath.control import RpcServer
+from dualpath.store.client import StoreClient
+
+
+def main() -> None:
+    ap = base_args(__doc__)
+    ap.add_argument("--buffer-bytes", type=int, required=True)
+    ap.add_argument("--block-bytes", type=int, required=True, help="bytes of one Full Block")
+    ap.add_argument("--store", required=True, help="comma-separated host:port of the storage servers")
+    args = ap.parse_args()
+    exit_on_sigterm()
+    agent, buf = make_agent(args, "buf", args.buffer_bytes, "dram")
+    store = StoreClient(args.store.split(","), args.block_bytes)
+    view = memoryview(buf)
+    fb = args.block_bytes
+
+    md = agent.metadata()
+
+    def hello() -> dict:
+        return {"metadata": md, "transport": agent.transport_in_use}
+
+    def add_peers(metadata: list[bytes]) -> dict:
+        return {"peers": [agent.add_peer(m) for m in metadata]}
+
+    def connect(peers: list[str]) -> dict:
+        for p in peers:
+            agent.connect(p)
+        return {}
+
+    def load(keys: list[str], offset: int) -> dict:
+        """Read Full Blocks into consecutive slots of the buffer from `offset`."""
+        t0 = time.perf_counter()
+        if offset < 0 or offset + len(keys) * fb > len(buf):
+            raise ValueError(f"load of {len(keys)} blocks at {offset} runs past the buffer")
+        store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
+        return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0}
+
+    def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:
+        """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
+
+        `crcs` are the writer's checksums: a block is persisted only once what landed here
+        matches (a TCP WRITE can complete before its bytes are applied; see engines/decode.py).
+        """
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        for i, crc in enumerate(crcs):
+            while zlib.crc32(view[offset + i * fb: offset + (i + 1) * fb]) != crc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
+                time.sleep(0.002)
+        new = store.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
+        return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0}
+
+    def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
+        """Block until `peer` has notified every message: NIXL delivers a transfer's
+        notification after its data, so the WRITEs before them have landed."""
+        for m in msgs:
+            agent.wait_notif(peer, m, timeout=timeout_s)
+        return {}
+
+    def contains(keys: list[str]) -> dict:
+        return {"present": store.contains(keys)}
+
+    def shutdown() -> dict:
+        return {"shutdown": True}
+
+    server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
+                       {"hello": hello, "add_peers": add_peers, "connect": connect, "load": load, "flush": flush, "wait_notifs": wait_notifs,
+                        "contains": contains, "shutdown": shutdown})
+    print(f"ready {args.name} {agent.transport_in_use}", flush=True)
+    try:
+        server.serve()
+    finally:
+        store.close()
+        agent.close()
+
+
+if __name__ == "__main__":
+    main()

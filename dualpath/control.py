@@ -1,0 +1,136 @@
+"""The control plane: request/reply over ZeroMQ with msgpack messages.
+
+Every node process (host agent, engine) serves one REP socket on its own
+address in the emulated compute network; the conductor holds one REQ client
+per process. A request is {"cmd": name, "args": {...}}; a reply is
+{"ok": true, ...result} or {"ok": false, "error": "..."}. Arguments are
+validated against the handler's type hints (pydantic), so a malformed message
+gets an error reply naming the field, never a crash. No pickle crosses a socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from pydantic import ValidationError, validate_call
+
+MAX_MSG_BYTES = 64 << 20
+
+
+class ControlError(RuntimeError):
+    """A remote command failed, timed out, or its process died."""
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class RpcServer:
+    """Serves named commands on a REP socket until `shutdown` (or a deadline)."""
+
+    def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]]):
+        self.handlers = {name: validate_call(fn) for name, fn in handlers.items()}
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        self.sock.bind(endpoint)
+
+    def handle(self, payload: bytes) -> dict[str, Any]:
+        try:
+            msg = unpack(payload)
+        except Exception as e:
+            return {"ok": False, "error": f"not a msgpack message: {e}"}
+        if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
+            return {"ok": False, "error": "a request is a map with a string field 'cmd'"}
+        fn = self.handlers.get(msg["cmd"])
+        if fn is None:
+            return {"ok": False, "error": f"unknown command {msg['cmd']!r}; known: {sorted(self.handlers)}"}
+        args = msg.get("args", {})
+        if not isinstance(args, dict):
+            return {"ok": False, "error": "field 'args' must be a map"}
+        try:
+            return {"ok": True, **(fn(**args) or {})}
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            return {"ok": False, "error": f"{msg['cmd']}: field '{field}': {err['msg']}"}
+        except Exception as e:  # a failed command must not take the process down
+            return {"ok": False, "error": f"{msg['cmd']}: {type(e).__name__}: {e}"}
+
+    def serve(self, max_seconds: float = 24 * 3600) -> None:
+        deadline = time.monotonic() + max_seconds
+        while time.monotonic() < deadline:
+            if not self.sock.poll(1000):
+                continue
+            payload = self.sock.recv()
+            reply = self.handle(payload)
+            self.sock.send(pack(reply))
+            if reply.get("ok") and reply.get("shutdown"):
+                break
+        self.sock.close()
+        self.ctx.term()
+
+
+class RpcClient:
+    """One REQ connection to a node process, one command at a time (asyncio)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str,
+                 alive: Callable[[], bool] = lambda: True):
+        self.name = name
+        self.endpoint = endpoint
+        self.alive = alive
+        self.lock = asyncio.Lock()
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self._ctx = ctx
+        self._sock = self._new_socket()
+        self.dead: str | None = None
+
+    def _new_socket(self) -> zmq.asyncio.Socket:
+        s = self._ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.endpoint)
+        return s
+
+    async def call(self, cmd: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
+        """Run `cmd` remotely; raise ControlError on an error reply, a timeout or a dead process."""
+        async with self.lock:
+            if self.dead:
+                raise ControlError(f"{self.name}: {self.dead}")
+            payload = pack({"cmd": cmd, "args": args})
+            self.sent_bytes += len(payload)
+            await self._sock.send(payload)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if await self._sock.poll(100):
+                    data = await self._sock.recv()
+                    break
+                if not self.alive():
+                    self._fail(f"process exited during '{cmd}'")
+                if time.monotonic() > deadline:
+                    self._fail(f"no reply to '{cmd}' within {timeout_s:g}s")
+            self.recv_bytes += len(data)
+            reply = unpack(data)
+            if not reply.get("ok"):
+                raise ControlError(f"{self.name}: {reply.get('error', 'unknown error')}")
+            return reply
+
+    def _fail(self, why: str) -> None:
+        # A REQ socket that lost its reply can never send again: retire it.
+        self.dead = why
+        self._sock.close()
+        raise ControlError(f"{self.name}: {why}")
+
+    def close(self) -> None:
+        if not self.dead:
+            self._sock.close()

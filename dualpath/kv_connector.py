@@ -1,0 +1,225 @@
+"""The one narrow interface between a prefill engine and the KV read path.
+
+The engine calls four methods, the split vLLM's v1 KV connector uses:
+start_load, wait_for_layer, save_layer, wait_for_save. It never knows which
+path feeds it. The implementations:
+
+- LayerwiseConnector(write_hit=True): the PE read path. Hit KV comes from the
+  PE buffer; after each layer the hit and miss KV go to the DE buffer.
+- LayerwiseConnector(write_hit=False): the DE read path. Hit KV comes from the
+  DE buffer (RDMA READ); only the miss KV goes back.
+- BasicConnector: the PE path with every layer loaded up front (not layerwise).
+- OracleConnector: nothing moves (all I/O skipped; the past KV is zeros).
+
+Each connector keeps "HBM" honest: hit KV occupies the engine's registered
+memory only between its load and its last use, and the peak is reported.
+"""
+from __future__ import annotations
+
+import hashlib
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dualpath.buffers import ByteAllocator
+from dualpath.kv_spans import Span, token_rows_descs
+from dualpath.layouts import BlockGeometry, pack_rows, unpack_layer
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """One request's prefill: n_hit tokens of stored KV, n_miss new tokens."""
+
+    request: str
+    n_hit: int
+    n_miss: int
+    src: Span | None  # where the hit KV is (PE buffer or DE buffer)
+    dst: Span | None  # the request's area in the DE buffer
+
+
+@dataclass
+class ConnectorStats:
+    read_bytes: int = 0
+    written_bytes: int = 0
+    read_wait_s: float = 0.0
+    peak_hit_bytes: int = 0  # hit KV resident in HBM at once
+    layer_hashes: list[str] = field(default_factory=list)  # of the hit KV each layer loaded
+    # CRC32 of the bytes each layer wrote, in token order: the reader checks what landed
+    write_crcs: list[int] = field(default_factory=list)
+
+
+class KVConnector(ABC):
+    def __init__(self, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
+                 timeout_s: float = 60.0):
+        self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
+        self.timeout_s = timeout_s
+        self.stats = ConnectorStats()
+        self._hit_resident = 0
+
+    @abstractmethod
+    def start_load(self, plan: LoadPlan) -> None:
+        """Start fetching the hit KV of every layer, asynchronously."""
+
+    @abstractmethod
+    def wait_for_layer(self, layer: int) -> KV | None:
+        """Block until layer `layer`'s hit KV is in HBM; return (K, V) views, or None if no hit."""
+
+    @abstractmethod
+    def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Start shipping layer `layer`'s KV toward the DE buffer."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until everything is shipped; free what the request held in HBM."""
+
+    # -- shared helpers ------------------------------------------------------------------------
+    def _layer_bytes(self, n_tokens: int) -> int:
+        return n_tokens * self.geom.bytes_per_token_per_layer
+
+    def _alloc_hit(self, nbytes: int) -> int:
+        off = self.alloc.alloc(nbytes)
+        self._hit_resident += nbytes
+        self.stats.peak_hit_bytes = max(self.stats.peak_hit_bytes, self._hit_resident)
+        return off
+
+    def _free_hit(self, off: int, nbytes: int) -> None:
+        self.alloc.free(off)
+        self._hit_resident -= nbytes
+
+    def _rows(self, off: int, n_tokens: int) -> torch.Tensor:
+        bpt = self.geom.bytes_per_token_per_layer
+        return torch.from_numpy(self.hbm[off:off + n_tokens * bpt]).view(n_tokens, bpt)
+
+    def _view(self, off: int, n_tokens: int) -> KV:
+        rows = self._rows(off, n_tokens)
+        self.stats.layer_hashes.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
+        return unpack_layer(rows, self.geom)
+
+    def _post_read(self, plan: LoadPlan, layer: int, off: int):
+        assert plan.src is not None
+        descs = token_rows_descs(self.geom, layer, 0, plan.n_hit, off, plan.src.offset)
+        self.stats.read_bytes += int(descs[:, 2].sum())
+        return self.agent.post("READ", plan.src.peer, "hbm", plan.src.region, descs, layer=layer)
+
+    def _wait(self, xfer) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        xfer.wait(self.timeout_s)
+        self.stats.read_wait_s += time.perf_counter() - t0
+
+
+class LayerwiseConnector(KVConnector):
+    """Per layer: READ hit KV (prefetching the next layer), compute, hand the KV to the DE buffer."""
+
+    def __init__(self, *args, write_hit: bool, **kw):
+        super().__init__(*args, **kw)
+        self.write_hit = write_hit
+
+    def start_load(self, plan: LoadPlan) -> None:
+        self.plan = plan
+        self.slots: dict[int, tuple[int, object]] = {}  # layer -> (hbm offset, read transfer)
+        # (hbm offset, write transfer, hit bytes if it is a hit slot): freed once the WRITE is done
+        self.writes: list[tuple[int, object, int | None]] = []
+        self.n_hit_bytes = self._layer_bytes(plan.n_hit)
+        if plan.n_hit:
+            self._prefetch(0)
+
+    def _prefetch(self, layer: int) -> None:
+        if layer >= self.geom.n_layer or layer in self.slots or not self.plan.n_hit:
+            return
+        off = self._alloc_hit(self.n_hit_bytes)
+        self.slots[layer] = (off, self._post_read(self.plan, layer, off))
+
+    def wait_for_layer(self, layer: int) -> KV | None:
+        if not self.plan.n_hit:
+            return None
+        self._prefetch(layer)
+        off, xfer = self.slots[layer]
+        self._wait(xfer)
+        self._prefetch(layer + 1)  # overlaps this layer's compute
+        return self._view(off, self.plan.n_hit)
+
+    def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        p, g = self.plan, self.geom
+        self._reap_writes()
+        miss_off = self.alloc.alloc(self._layer_bytes(p.n_miss))
+        pack_rows(k_new, v_new, g, self._rows(miss_off, p.n_miss))
+        parts = [token_rows_descs(g, layer, p.n_hit, p.n_miss, miss_off, p.dst.offset)]
+        slot = self.slots.pop(layer, None)
+        crc = 0
+        if self.write_hit and slot is not None:
+            parts.insert(0, token_rows_descs(g, layer, 0, p.n_hit, slot[0], p.dst.offset))
+            crc = zlib.crc32(self._rows(slot[0], p.n_hit).numpy())
+        self.stats.write_crcs.append(zlib.crc32(self._rows(miss_off, p.n_miss).numpy(), crc))
+        descs = np.concatenate(parts)
+        self.stats.written_bytes += int(descs[:, 2].sum())
+        # One descriptor list per layer, one request. The notification lets the DE side know
+        # the layer has landed (DONE here only means our buffer may be reused).
+        xfer = self.agent.post("WRITE", p.dst.peer, "hbm", p.dst.region, descs, layer=layer,
+                               notif=f"{p.request}/L{layer}")
+        self.writes.append((miss_off, xfer, None))
+        if slot is not None:
+            if self.write_hit:  # the hit rows leave from the slot: free it once the WRITE is done
+                self.writes.append((slot[0], xfer, self.n_hit_bytes))
+            else:
+                self._free_hit(slot[0], self.n_hit_bytes)
+
+    def _reap_writes(self, block: bool = False) -> None:
+        still = []
+        for off, xfer, hit_bytes in self.writes:
+            if block:
+                xfer.wait(self.timeout_s)
+            if xfer.poll():
+                if hit_bytes is None:
+                    self.alloc.free(off)
+                else:
+                    self._free_hit(off, hit_bytes)
+            else:
+                still.append((off, xfer, hit_bytes))
+        self.writes = still
+
+    def wait_for_save(self) -> None:
+        self._reap_writes(block=True)
+        for off, xfer in self.slots.values():  # only if a layer was never saved (error paths)
+            xfer.wait(self.timeout_s)
+            self._free_hit(off, self.n_hit_bytes)
+        self.slots.clear()
+
+
+class BasicConnector(LayerwiseConnector):
+    """The PE path, not layerwise: every layer's hit KV is in HBM before layer 0 runs."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, write_hit=True, **kw)
+
+    def start_load(self, plan: LoadPlan) -> None:
+        super().start_load(plan)
+        for layer in range(self.geom.n_layer):
+            self._prefetch(layer)
+        for off, xfer in self.slots.values():
+            self._wait(xfer)
+
+
+class OracleConnector(KVConnector):
+    """All I/O skipped: the hit KV is zeros already 'in HBM'; nothing is written."""
+
+    def start_load(self, plan: LoadPlan) -> None:
+        self.plan = plan
+        shape = (plan.n_hit, self.geom.n_kv_heads, self.geom.head_dim)
+        self.zeros = torch.zeros(shape, dtype=self.geom.dtype)
+
+    def wait_for_layer(self, layer: int) -> KV | None:
+        return (self.zeros, self.zeros) if self.plan.n_hit else None
+
+    def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+

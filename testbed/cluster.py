@@ -1,0 +1,176 @@
+"""The node processes of a run: store servers, host agents and engines, each in its namespace.
+
+`Cluster` starts them on a live Fabric, wires their transport agents to each
+other (NIXL metadata travels over the control plane), and stops them. The
+conductor talks to every process over the emulated compute network from an
+address on the compute bridge, so control crosses the same shaped NICs (in
+the model class) as it would in a real cluster.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq.asyncio
+
+from dualpath.control import RpcClient
+from dualpath.layouts import BlockGeometry
+from emulators.kvstore.launch import ServerProcess
+from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric
+from testbed.shell import ns_argv, run
+
+REPO = Path(__file__).resolve().parent.parent
+CONDUCTOR_IP = str(COMPUTE_NET[-2])  # on the compute bridge, in the root namespace
+CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
+STORE_PORT = 7000
+
+
+class ProcessFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class NodeProcess:
+    """One node process in a namespace, announced by a 'ready' line on stdout."""
+
+    name: str
+    role: str  # "host", "prefill", "decode"
+    endpoint: Endpoint
+    proc: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        buf = b""
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.05)[0]:
+                buf += os.read(fd, 4096)
+                for line in buf.decode(errors="replace").splitlines():
+                    if line.startswith("ready"):
+                        return line
+            if not self.alive():
+                raise ProcessFailed(f"{self.name} exited with {self.proc.returncode} while starting: "
+                                    f"{_tail(self.log)}")
+        raise ProcessFailed(f"{self.name} not ready within {timeout_s:g}s: {_tail(self.log)}")
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return f"(no log at {path})"
+    return " | ".join(lines[-n:]) or f"(empty log {path})"
+
+
+class Cluster:
+    """Node processes on a Fabric. Use as a context manager: stop() always runs."""
+
+    def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
+                 buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30):
+        self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
+        self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
+        self.stores: list[ServerProcess] = []
+        self.procs: dict[str, NodeProcess] = {}
+        self.clients: dict[str, RpcClient] = {}
+        self.transports: dict[str, str] = {}
+        self.ctx: zmq.asyncio.Context | None = None
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def engines(self, role: str) -> list[str]:
+        return [n for n, p in self.procs.items() if p.role == role]
+
+    def host_of(self, engine: str) -> str:
+        return self.procs[engine].endpoint.node
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        store_addrs = []
+        for ep in (e for e in self.fab.endpoints if e.kind == "storage"):
+            nic = ep.nic("storage_nic")
+            sp = ServerProcess(self.run_dir / "store" / ep.name, self.store_capacity,
+                               listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=ns_argv(ep.name, []),
+                               log_path=self.run_dir / "logs" / f"{ep.name}.log")
+            self.stores.append(sp)
+            sp.start()
+            store_addrs.append(sp.address_str)
+        for ep in self.fab.endpoints:
+            if ep.kind == "host":
+                nic = ep.nic("host_port")
+                self._spawn(ep, "host", "dualpath.agents.host", nic.dev, nic.ip, [
+                    "--buffer-bytes", str(self.buffer_bytes), "--block-bytes", str(self.geom.full_block_bytes),
+                    "--store", ",".join(store_addrs)])
+            elif ep.kind == "engine":
+                nic = ep.nic("cnic")
+                self._spawn(ep, ep.role, "dualpath.agents.engine", nic.dev, nic.ip, [
+                    "--role", ep.role, "--checkpoint", str(self.checkpoint),
+                    "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size)])
+        for p in self.procs.values():
+            self.transports[p.name] = p.wait_ready().split(" ", 2)[2]
+        # The conductor's own address on the compute bridge (removed with the bridge).
+        run(["ip", "addr", "replace", f"{CONDUCTOR_IP}/{COMPUTE_NET.prefixlen}", "dev", COMPUTE_BRIDGE])
+        return self
+
+    def _spawn(self, ep: Endpoint, role: str, module: str, iface: str, ip: str, extra: list[str]) -> None:
+        log = self.run_dir / "logs" / f"{ep.name}.log"
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        argv = ns_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
+                                 "--ip", ip, "--control-port", str(CONTROL_PORT), *extra])
+        with open(log, "wb") as lf:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=lf, stdin=subprocess.DEVNULL,
+                                    cwd=REPO, env=env)
+        self.procs[ep.name] = NodeProcess(ep.name, role, ep, proc, log)
+
+    async def connect(self) -> None:
+        """Control clients for every process, then every transport agent learns every other."""
+        self.ctx = zmq.asyncio.Context()
+        for name, p in self.procs.items():
+            self.clients[name] = RpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", p.alive)
+        metas = {n: (await c.call("hello", timeout_s=30))["metadata"] for n, c in self.clients.items()}
+        for name, c in self.clients.items():
+            await c.call("add_peers", metadata=[m for n, m in metas.items() if n != name], timeout_s=30)
+        hosts = [n for n, p in self.procs.items() if p.role == "host"]
+        engines = [n for n, p in self.procs.items() if p.role != "host"]
+        for name, c in self.clients.items():  # wire up now, both ways, not during a transfer
+            await c.call("connect", peers=engines if name in hosts else hosts, timeout_s=30)
+
+    def stop(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        for p in self.procs.values():
+            p.stop()
+        for s in self.stores:
+            s.stop()
+
+    def __enter__(self) -> "Cluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
