@@ -142,6 +142,9 @@ class LayerwiseConnector(KVConnector):
         self._prefetch(layer)
         off, xfer = self.slots[layer]
         self._wait(xfer)
+        # Earlier layers must have left HBM before the next one comes in: at most this layer
+        # and the prefetched one are resident (the paper's "about one layer per batch").
+        self._reap_writes(block=True)
         self._prefetch(layer + 1)  # overlaps this layer's compute
         return self._view(off, self.plan.n_hit)
 

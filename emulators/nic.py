@@ -39,10 +39,17 @@ def _burst_bytes(rate_bps: int, mtu: int) -> int:
     return max(rate_bps // 8 // 1000, 64 * 1024 + mtu)
 
 
+QUEUE_BYTES = 16 << 20
+
+
 def _queue_bytes(rate_bps: int) -> int:
-    # A shallow switch-like buffer (about 2 ms of line rate), so a bulk flow
-    # fills it and a FIFO link shows real drops instead of unbounded delay.
-    return max(rate_bps // 8 * 2 // 1000, 256 * 1024)
+    # The fabrics DualPath runs on are lossless (InfiniBand credits). TCP in
+    # flight is bounded by its socket buffers (a few MiB per flow) and BBR keeps
+    # standing queues short, so a deep queue emulates "no drops": a drop here
+    # would be a TCP retransmission the real fabric never makes, counted on the
+    # sender's NIC. Loss under overload is still shown by traffic that does not
+    # back off (the UDP flood of `dualpath check`).
+    return QUEUE_BYTES
 
 
 def htb_batch(shape: NicShape, reshape: bool = False) -> str:
@@ -90,7 +97,7 @@ def class_for(classes: bool, tc: TrafficClass) -> str:
     return CLASS_IDS[tc.name] if classes else FIFO_CLASS
 
 
-_CLASS_RE = re.compile(r"^class htb (\S+) .*?\n Sent (\d+) bytes", re.M | re.S)
+_CLASS_RE = re.compile(r"^class htb (\S+) .*?\n Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", re.M | re.S)
 
 
 def parse_class_stats(text: str) -> dict[str, int]:
@@ -98,7 +105,28 @@ def parse_class_stats(text: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in _CLASS_RE.finditer(text)}
 
 
+def parse_class_drops(text: str) -> dict[str, int]:
+    """Packets dropped per HTB class id."""
+    return {m.group(1): int(m.group(4)) for m in _CLASS_RE.finditer(text)}
+
+
+def parse_class_packets(text: str) -> dict[str, int]:
+    """Packets (segments: HTB counts a GSO bundle as its segments) sent per HTB class id."""
+    return {m.group(1): int(m.group(3)) for m in _CLASS_RE.finditer(text)}
+
+
 def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:
+    return parse_class_stats(_show(dev, ns))
+
+
+def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int, int]]:
+    """(bytes, packets, drops) per HTB class id of a device."""
+    text = _show(dev, ns)
+    b, p, d = parse_class_stats(text), parse_class_packets(text), parse_class_drops(text)
+    return {c: (b[c], p[c], d[c]) for c in b}
+
+
+def _show(dev: str, ns: str | None) -> str:
     from testbed.shell import run  # emulators stay importable without the testbed
 
-    return parse_class_stats(run(["tc", "-s", "class", "show", "dev", dev], ns=ns))
+    return run(["tc", "-s", "class", "show", "dev", dev], ns=ns)

@@ -28,6 +28,7 @@ RATE_OK = (0.93, 1.02)
 MODEL_KEEP_OK = 0.95  # QoS on: share of its rate the model flow must keep
 CLEAR_LOSS = 0.03  # QoS off must keep at least this much less of the model flow than QoS on
 MODEL_SHARE = 0.20  # the model flow's rate, as a share of the CNIC
+FLOOD_SHARE = 1.2  # the kv flood's offered rate, as a share of the CNIC
 TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
 BASE_PORT = 5201
 
@@ -136,7 +137,11 @@ def link_cases(fab: Fabric) -> list[tuple[Nic, str, str, str, Any]]:
 
 
 def _priority(fab: Fabric, mon: Monitor, qos: bool, seconds: float) -> PriorityResult:
-    """Model-class UDP at 20 % of a CNIC beside a kv-class TCP flood into it."""
+    """Model-class UDP at 20 % of a CNIC beside a kv-class flood into it.
+
+    The flood is UDP at 1.2x the link rate: like RDMA it does not back off, so
+    without isolation the FIFO it shares with the model flow overflows.
+    """
     fab.apply_shaping(qos)
     d_node = next(e for e in fab.endpoints if e.role == "decode" and e.kind == "host")
     p_eng = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "engine")
@@ -148,7 +153,8 @@ def _priority(fab: Fabric, mon: Monitor, qos: bool, seconds: float) -> PriorityR
 
     def run_flood() -> None:
         try:
-            out = run(client_argv(cnic.ip, BASE_PORT + 1, seconds + 1.0, tos=KV.tos_byte, parallel=4),
+            out = run(client_argv(cnic.ip, BASE_PORT + 1, seconds + 1.0, tos=KV.tos_byte,
+                                  udp_bps=int(cnic.rate_bps * FLOOD_SHARE), udp_len=8900),
                       ns=d_node.name, timeout=seconds + 20)
             flood["kv"] = parse_client(out)
         except BaseException as e:  # reported by the caller

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -98,8 +99,12 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         run(["ip", "link", "del", name], check=False)  # the peer end goes with it
     for table in found.nft_tables:
         run(["nft", "delete", "table", *table.split()], check=False)
+    scratch = sorted(Path("/var/tmp").glob(f"{PREFIX}-run-*"))  # logs and store of failed runs
+    for d in scratch:
+        shutil.rmtree(d, ignore_errors=True)
     if verbose:
-        print(f"dualpath clean: removed {found.summary()}")
+        extra = f", {len(scratch)} scratch folder(s) of earlier runs" if scratch else ""
+        print(f"dualpath clean: removed {found.summary()}{extra}")
     return found
 
 

@@ -8,6 +8,7 @@ the model class) as it would in a real cluster.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -94,6 +95,7 @@ class Cluster:
         self.clients: dict[str, RpcClient] = {}
         self.transports: dict[str, str] = {}
         self.ctx: zmq.asyncio.Context | None = None
+        self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -154,12 +156,19 @@ class Cluster:
         for name, c in self.clients.items():  # wire up now, both ways, not during a transfer
             await c.call("connect", peers=engines if name in hosts else hosts, timeout_s=30)
 
+    def run(self, coro):
+        """Run a coroutine of the conductor on the cluster's event loop."""
+        return self.loop.run_until_complete(coro)
+
     def stop(self) -> None:
         for c in self.clients.values():
             c.close()
+        self.clients.clear()
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+        if not self.loop.is_closed():
+            self.loop.close()
         for p in self.procs.values():
             p.stop()
         for s in self.stores:

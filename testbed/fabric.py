@@ -21,6 +21,7 @@ from mininet.nodelib import LinuxBridge
 from mininet.topo import Topo
 
 from dualpath.naming import PREFIX
+from dualpath.traffic_classes import KV_PORT_RANGE
 from emulators import dscp_marking
 from emulators.nic import NicShape, htb_batch
 from testbed.cleanup import kill_processes_in
@@ -165,6 +166,10 @@ class Fabric:
         for ep in self.endpoints:
             if ep.kind != "storage":
                 run(["nft", "-f", "-"], ns=ep.name, stdin=nft)
+                # Keep the kernel from handing out kv-range ports as ephemeral source ports:
+                # a model-class connection from such a port would be marked kv.
+                lo, hi = KV_PORT_RANGE
+                run(["sysctl", "-q", "-w", f"net.ipv4.ip_local_reserved_ports={lo}-{hi}"], ns=ep.name)
         return self
 
     def apply_shaping(self, qos: bool) -> None:
@@ -173,7 +178,8 @@ class Fabric:
         for ep in self.endpoints:
             ns_batch = []
             for nic in ep.nics:
-                classes = qos and nic.kind == "cnic"
+                # The host port stands for the DRAM side of the node's CNICs: same two classes.
+                classes = qos and nic.kind in ("cnic", "host_port")
                 mtu = self.topo.spec.mtu
                 ns_batch.append(htb_batch(NicShape(nic.dev, nic.rate_bps, classes, mtu), self._shaped))
                 root_batch.append(htb_batch(NicShape(nic.bridge_dev, nic.rate_bps, classes, mtu),

@@ -44,14 +44,14 @@ class IperfServer:
 
 
 def client_argv(ip: str, port: int, seconds: float, tos: int | None = None,
-                udp_bps: int | None = None, parallel: int = 1) -> list[str]:
+                udp_bps: int | None = None, parallel: int = 1, udp_len: int = 1400) -> list[str]:
     argv = ["iperf3", "-c", ip, "-p", str(port), "-t", f"{seconds:g}", "-J", "-P", str(parallel)]
     if tos is not None:
         argv += ["--tos", str(tos)]
     if udp_bps is not None:
         # A 4 MiB socket buffer keeps the receiving socket from dropping
         # datagrams when the CPU is busy: loss must come from the link.
-        argv += ["-u", "-b", str(udp_bps), "-l", "1400", "-w", "4M"]
+        argv += ["-u", "-b", str(udp_bps), "-l", str(udp_len), "-w", "4M"]
     return argv
 
 

@@ -27,8 +27,8 @@ def check_lines(r: CheckReport) -> list[str]:
                      f"{m['other_port']['port']} -> {m['other_port']['model_class_share']:.1%} in the model class")
     for p in r.priority:
         lines.append(f"priority, QoS {'on ' if p.qos else 'off'}: model flow kept {p.kept_ratio:.3f} of "
-                     f"{p.model_offered_bps / 1e6:.0f} Mbit/s (loss {p.model_lost_percent:.1f} %) beside a kv "
-                     f"flood of {p.kv_goodput_bps / 1e6:.0f} Mbit/s; cpu {p.cpu_busy:.0%}")
+                     f"{p.model_offered_bps / 1e6:.0f} Mbit/s (loss {p.model_lost_percent:.1f} %) beside a UDP kv "
+                     f"flood that got {p.kv_goodput_bps / 1e6:.0f} Mbit/s; cpu {p.cpu_busy:.0%}")
     if len(r.priority) == 2:
         lines.append(f"  (QoS on must keep >= {MODEL_KEEP_OK}; QoS off must lose more than QoS on)")
     if r.cpu_saturated:
@@ -44,3 +44,32 @@ def write_check(r: CheckReport, run_dir: Path, command: str) -> None:
     body = "\n".join(check_lines(r))
     (run_dir / "report.md").write_text(
         f"# dualpath check: {r.topology}\n\nProduced by `{command}`.\n\n```\n{body}\n```\n")
+
+
+def e2e_lines(summary: dict) -> list[str]:
+    """The main job's summary: one line per mode, then KV bytes per NIC for each mode."""
+    lines = [f"{'mode':<10} {'reqs':>4} {'err':>3} {'tokens=recompute':>16} {'KV bit-exact (PE/DE)':>21} "
+             f"{'JCT s':>6} {'hit':>5} {'hit KV in HBM':>13} {'NIC bytes ok':>12} {'cpu':>4}"]
+    for mode, m in summary["modes"].items():
+        v = m["verification"]
+        tok = (f"{v['tokens_match']}/{v['requests']}" if "tokens_match" in v else "n/a (oracle)")
+        kv = f"{v['pe_kv_bit_exact']} {v['de_kv_bit_exact']}" if "pe_kv_bit_exact" in v else "n/a"
+        acc = m["kv_bytes_vs_expected"]
+        hbm = m["peak_hit_kv_layers_in_hbm"]["max"]
+        lines.append(f"{mode:<10} {m['requests']:>4} {m['errors']:>3} {tok:>16} {kv:>21} {m['jct_s']:>6.2f} "
+                     f"{m['hit_rate']:>5.3f} {hbm:>7.1f} layers {acc['within']:>4}/{acc['nics']:<3} "
+                     f"{m['cpu_peak_1s']:>4.0%}{'  CPU-BOUND' if m['cpu_saturated'] else ''}")
+    lines.append("KV bytes per NIC (tx+rx, MB): expected by the path definitions / measured from HTB kv-class "
+                 f"counters, payload only (tolerance {next(iter(summary['modes'].values()))['kv_bytes_vs_expected']['tolerance']:.0%})")
+    nics = [r["nic"] for r in next(iter(summary["modes"].values()))["kv_bytes_vs_expected"]["per_nic"]]
+    lines.append(f"  {'nic':<22}" + "".join(f"{mode:>20}" for mode in summary["modes"]))
+    for nic in nics:
+        cells = []
+        for m in summary["modes"].values():
+            r = next((x for x in m["kv_bytes_vs_expected"]["per_nic"] if x["nic"] == nic), None)
+            cells.append("-" if r is None else
+                         f"{r['expected'] / 1e6:.1f}/{r['measured'] / 1e6:.1f}{'' if r['ok'] else '!'}")
+        lines.append(f"  {nic:<22}" + "".join(f"{c:>20}" for c in cells))
+    ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
+    lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
+    return lines

@@ -31,28 +31,34 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_l
 KINDS = ("qwen2", "llama")
 
 
-def tiny_hf_config(kind: str = "qwen2"):
-    """The transformers config object of the tiny model."""
+# The end-to-end demo's model: deeper, so "about one layer of hit KV resident" in layerwise prefill
+# stands out against all layers in basic, with one KV head to keep KV per token at 2 KiB.
+DEMO = dict(num_hidden_layers=8, num_key_value_heads=1)
+
+
+def tiny_hf_config(kind: str = "qwen2", **overrides):
+    """The transformers config object of the tiny model (`overrides`: e.g. DEMO)."""
     from transformers import LlamaConfig, Qwen2Config
 
+    sizes = {**TINY, **overrides}
     if kind == "qwen2":
-        return Qwen2Config(**TINY, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+        return Qwen2Config(**sizes, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                  "rope_theta": 10000.0})
     if kind == "llama":
-        return LlamaConfig(**TINY, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        return LlamaConfig(**sizes, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 256})
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def make_tiny_checkpoint(path: str | Path, seed: int = 0, kind: str = "qwen2") -> Path:
+def make_tiny_checkpoint(path: str | Path, seed: int = 0, kind: str = "qwen2", **overrides) -> Path:
     """Write the tiny checkpoint into directory `path` (created if needed) and return it."""
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}.get(kind)
-    cfg = tiny_hf_config(kind)
+    cfg = tiny_hf_config(kind, **overrides)
     cfg.dtype = "float32"
     gen = torch.random.fork_rng(devices=[])
     with gen:  # do not disturb the caller's RNG

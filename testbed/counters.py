@@ -1,0 +1,65 @@
+"""Kernel byte counters of every emulated NIC, keyed the way dualpath.accounting keys them.
+
+A NIC's transmit side is the HTB on its namespace end; its receive side is the
+HTB on its bridge end (root namespace). On CNICs and host ports the kv class
+carries the KV transport only (control rides the model class); SNICs and
+storage NICs carry storage traffic only.
+
+HTB counts each segment's full frame, so the TCP payload is the bytes minus
+66 per packet (Ethernet 14, IPv4 20, TCP with timestamps 32). Subtracting it
+also drops pure ACKs, which carry no payload. What remains beyond the KV itself
+is the transport's own messages (UCX request headers, store frame headers),
+reported as protocol overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dualpath.accounting import STORAGE_OWNER
+from dualpath.traffic_classes import KV, MODEL
+from emulators.nic import ROOT_CLASS, class_counters, class_for
+from testbed.fabric import Fabric
+
+Key = tuple[str, str, str]  # (owner, kind, direction)
+FRAME_HEADER_BYTES = 14 + 20 + 32
+
+
+def _owner(fab: Fabric, nic) -> str:
+    return STORAGE_OWNER if nic.kind == "storage_nic" else nic.ns
+
+
+@dataclass
+class Snapshot:
+    kv_payload: dict[Key, int] = field(default_factory=dict)  # TCP payload in the kv class
+    kv_wire: dict[Key, int] = field(default_factory=dict)  # frames, as shaped
+    model_wire: dict[Key, int] = field(default_factory=dict)  # control
+    drops: dict[Key, int] = field(default_factory=dict)
+
+
+def snapshot(fab: Fabric) -> Snapshot:
+    """Counters per NIC and direction, from HTB."""
+    snap = Snapshot()
+    for nic in fab.nics:
+        classes = fab.qos and nic.kind in ("cnic", "host_port")
+        for direction, dev, ns in (("tx", nic.dev, nic.ns), ("rx", nic.bridge_dev, None)):
+            stats = class_counters(dev, ns)
+            key = (_owner(fab, nic), nic.kind, direction)
+            kv_b, kv_p, _ = stats.get(class_for(True, KV) if classes else ROOT_CLASS, (0, 0, 0))
+            _add(snap.kv_wire, key, kv_b)
+            _add(snap.kv_payload, key, kv_b - FRAME_HEADER_BYTES * kv_p)
+            if classes:
+                _add(snap.model_wire, key, stats.get(class_for(True, MODEL), (0, 0, 0))[0])
+            _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
+    return snap
+
+
+def _add(d: dict[Key, int], key: Key, v: int) -> None:
+    d[key] = d.get(key, 0) + v
+
+
+def delta(after: Snapshot, before: Snapshot) -> Snapshot:
+    def d(a: dict[Key, int], b: dict[Key, int]) -> dict[Key, int]:
+        return {k: v - b.get(k, 0) for k, v in a.items()}
+
+    return Snapshot(d(after.kv_payload, before.kv_payload), d(after.kv_wire, before.kv_wire),
+                    d(after.model_wire, before.model_wire), d(after.drops, before.drops))
