@@ -1,0 +1,125 @@
+"""Both KV read paths end to end on a live 1p1d, with a real model, store and transport."""
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from dualpath.layouts import BlockGeometry
+from dualpath.model import load_config
+from dualpath.model.tiny import DEMO, make_tiny_checkpoint
+from dualpath.workload import demo_workload, generate
+from emulators.kvstore.blockfile import decode_header
+from testbed.cluster import Cluster
+from testbed.conductor import Conductor
+from testbed.experiment import run_e2e, summarize
+from testbed.fabric import Fabric
+from testbed.topology import load_topology
+from tests.conftest import REPO, needs_root
+
+pytestmark = needs_root
+TOPO = REPO / "topologies" / "1p1d.yaml"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=0, kind="qwen2", **DEMO)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return generate(demo_workload(seed=1, n_trajectories=3, turns_mean=4.0, turns_min=3))
+
+
+@pytest.fixture(scope="module")
+def summary(checkpoint, workload, tmp_path_factory):
+    from testbed.cleanup import clean, find_leftovers
+
+    if not find_leftovers().empty():
+        clean(verbose=False)
+    with Fabric(load_topology(TOPO)) as fab:
+        results = run_e2e(fab, workload, checkpoint, tmp_path_factory.mktemp("run"),
+                          modes=("basic", "layerwise", "dualpath", "oracle"), progress=lambda _m: None)
+    assert find_leftovers().empty()
+    return summarize(results, workload, BlockGeometry.from_config(load_config(checkpoint)))
+
+
+def test_every_path_yields_the_tokens_and_kv_of_recomputation(summary):
+    for mode in ("basic", "layerwise", "dualpath"):
+        m = summary["modes"][mode]
+        assert m["errors"] == 0
+        v = m["verification"]
+        assert v["all_match"], (mode, v)
+        assert v["tokens_match"] == v["requests"] == m["requests"]
+    dual = summary["modes"]["dualpath"]["paths"]
+    assert dual["pe"] > 0 and dual["de"] > 0  # both read paths were exercised
+
+
+def test_hit_rate_is_agentic(summary):
+    assert summary["modes"]["layerwise"]["hit_rate"] >= 0.9
+
+
+def test_nic_bytes_match_the_path_definitions(summary):
+    for mode, m in summary["modes"].items():
+        acc = m["kv_bytes_vs_expected"]
+        assert acc["within"] == acc["nics"], (mode, [r for r in acc["per_nic"] if not r["ok"]])
+    # the DE path moves hit KV over the DE SNIC, the PE path over the PE SNIC
+    def snic(mode, node):
+        return next(r["expected"] for r in summary["modes"][mode]["kv_bytes_vs_expected"]["per_nic"]
+                    if r["nic"] == f"{node}/snic")
+    assert snic("dualpath", "dpt-d0") > 3 * snic("basic", "dpt-d0")
+    assert snic("basic", "dpt-p0") > snic("dualpath", "dpt-p0")
+
+
+def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):
+    n_layer = DEMO["num_hidden_layers"]
+    assert summary["modes"]["basic"]["peak_hit_kv_layers_in_hbm"]["max"] == n_layer
+    assert summary["modes"]["layerwise"]["peak_hit_kv_layers_in_hbm"]["max"] <= 2  # this one + prefetch
+    assert summary["modes"]["dualpath"]["peak_hit_kv_layers_in_hbm"]["max"] <= 2
+
+
+def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpoint, workload, tmp_path,
+                                                                         no_leftovers):
+    geom = BlockGeometry.from_config(load_config(checkpoint))
+    with Fabric(load_topology(TOPO)) as fab, \
+            Cluster(fab, tmp_path, checkpoint, geom, 64 << 20, 64 << 20) as cluster:
+        cluster.run(cluster.connect())
+        victim = cluster.procs["dpt-d0e0"]
+        client = cluster.clients["dpt-d0e0"]
+        co = Conductor(cluster, geom, "dualpath", b"kill-test", request_timeout_s=60)
+
+        def killer():  # SIGKILL while the victim is inside a command (its decode: READ, decode, WRITE)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (client.lock.locked() and co.stored):
+                time.sleep(0.001)
+            victim.proc.kill()
+
+        async def go():
+            await co.warm(workload.system_prompt)
+            threading.Thread(target=killer, daemon=True).start()
+            import asyncio
+            return await asyncio.gather(*[
+                co.trajectory(t.id, workload.system_prompt, [(list(x.append), x.gen_len) for x in t.turns])
+                for t in workload.trajectories])
+
+        t0 = time.monotonic()
+        recs = [r for per in cluster.run(go()) for r in per]
+        assert time.monotonic() - t0 < 120  # no hang
+        failed = [r for r in recs if r.error]
+        assert failed and all("dpt-d0e0" in r.error for r in failed)
+        assert all(not r.tokens for r in failed)  # a failed request returns no tokens
+        # what completed is right
+        from testbed.verify import Reference
+        ref = Reference(str(checkpoint), geom)
+        for r in recs:
+            if not r.error:
+                v = ref.check(r.prompt, r.gen_len, r.tokens, r.n_hit, r.pe_layer_hashes, r.de_layer_hashes)
+                assert v.tokens_match and v.pe_kv_match is not False and v.de_kv_match is not False
+        # the store is consistent: every block on disk is whole and matches its checksum
+        blocks = list((tmp_path / "store").rglob("blocks/*/*"))
+        assert blocks and not [p for p in blocks if p.name.startswith(".tmp")]
+        for p in blocks:
+            raw = p.read_bytes()
+            n, crc = decode_header(raw[:64], p.name)
+            assert len(raw) - 64 == n and zlib.crc32(raw[64:]) == crc, p
