@@ -52,14 +52,17 @@ def _queue_bytes(rate_bps: int) -> int:
     return QUEUE_BYTES
 
 
-def htb_batch(shape: NicShape, reshape: bool = False) -> str:
-    """The `tc -batch` script that shapes one device (`reshape`: it is shaped already)."""
+def unshape_batch(dev: str) -> str:
+    """Remove a device's shaping (HTB cannot switch between one and two classes in place)."""
+    return f"qdisc del dev {dev} root\n"
+
+
+def htb_batch(shape: NicShape) -> str:
+    """The `tc -batch` script that shapes one (unshaped) device."""
     d, r = shape.dev, shape.rate_bps
     burst = _burst_bytes(r, shape.mtu)
     queue = _queue_bytes(r)
-    # HTB cannot switch between one and two classes in place: start over.
-    lines = [f"qdisc del dev {d} root"] if reshape else []
-    lines += [
+    lines = [
         f"qdisc add dev {d} root handle 1: htb default {FIFO_CLASS.split(':')[1]} r2q 100",
         f"class replace dev {d} parent 1: classid {ROOT_CLASS} htb rate {r}bit ceil {r}bit "
         f"burst {burst}b cburst {burst}b",

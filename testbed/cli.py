@@ -16,7 +16,7 @@ from testbed.topology import TopologyError, load_topology
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topologies" / "1p1d.yaml"
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="DualPath testbed: run DualPath for real on one Linux machine.")
 
 
@@ -118,6 +118,37 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
 
 
 @app.command()
+def bench(what: str = typer.Argument(..., help="transport or store"),
+          topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
+          out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes")) -> None:
+    """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio."""
+    if what not in ("transport", "store"):
+        _fail(f"bench: unknown target {what!r}; choose transport or store")
+    _need_root()
+    from testbed.bench import bench_store, bench_transport
+
+    t = _topology(topology)
+    run_id = time.strftime("%Y%m%d-%H%M%S")
+    scratch = Path("/var/tmp") / f"dpt-run-{run_id}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    with _fabric(t) as fab:
+        res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
+    shutil.rmtree(scratch, ignore_errors=True)
+    run_dir = out / what / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["dualpath", *sys.argv[1:]])
+    (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")
+    from testbed.report import bench_lines
+
+    lines = bench_lines(what, res)
+    (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"
+                                       + "\n".join(lines) + "\n```\n")
+    for line in lines:
+        typer.echo(line)
+    typer.echo(f"results: {run_dir}/summary.json, report.md")
+
+
+@app.command()
 def clean() -> None:
     """Remove anything the testbed left behind (matched by its dpt prefix only)."""
     _need_root()
@@ -203,11 +234,18 @@ def _demo_checkpoint() -> Path:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
+    from testbed.cluster import ProcessFailed
+    from testbed.shell import CommandError
+
     try:
         app()
     except KeyboardInterrupt:
         typer.echo("dualpath: interrupted; torn down", err=True)
         sys.exit(130)
+    except (CommandError, ProcessFailed, OSError, RuntimeError, TimeoutError, ValueError) as e:
+        # Everything the run made is already torn down (context managers); say what failed.
+        typer.echo(f"dualpath: error: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from mininet.topo import Topo
 from dualpath.naming import PREFIX
 from dualpath.traffic_classes import KV_PORT_RANGE
 from emulators import dscp_marking
-from emulators.nic import NicShape, htb_batch
+from emulators.nic import NicShape, htb_batch, unshape_batch
 from testbed.cleanup import kill_processes_in
 from testbed.shell import run
 from testbed.topology import Topology
@@ -175,16 +175,22 @@ class Fabric:
     def apply_shaping(self, qos: bool) -> None:
         """(Re)shape every NIC; `qos` selects two classes or one FIFO on CNICs."""
         root_batch: list[str] = []
+        root_del: list[str] = []
         for ep in self.endpoints:
             ns_batch = []
             for nic in ep.nics:
                 # The host port stands for the DRAM side of the node's CNICs: same two classes.
                 classes = qos and nic.kind in ("cnic", "host_port")
                 mtu = self.topo.spec.mtu
-                ns_batch.append(htb_batch(NicShape(nic.dev, nic.rate_bps, classes, mtu), self._shaped))
-                root_batch.append(htb_batch(NicShape(nic.bridge_dev, nic.rate_bps, classes, mtu),
-                                            self._shaped))
+                ns_batch.append(htb_batch(NicShape(nic.dev, nic.rate_bps, classes, mtu)))
+                root_batch.append(htb_batch(NicShape(nic.bridge_dev, nic.rate_bps, classes, mtu)))
+                root_del.append(unshape_batch(nic.bridge_dev))
+            if self._shaped:  # may already be gone (a benchmark unshaped it): errors ignored
+                run(["tc", "-force", "-batch", "-"], ns=ep.name, check=False,
+                    stdin="".join(unshape_batch(n.dev) for n in ep.nics))
             run(["tc", "-batch", "-"], ns=ep.name, stdin="".join(ns_batch))
+        if self._shaped:
+            run(["tc", "-force", "-batch", "-"], check=False, stdin="".join(root_del))
         run(["tc", "-batch", "-"], stdin="".join(root_batch))
         self._shaped = True
         self.qos = qos

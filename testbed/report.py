@@ -73,3 +73,26 @@ def e2e_lines(summary: dict) -> list[str]:
     ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
     return lines
+
+
+def bench_lines(what: str, r: dict) -> list[str]:
+    if what == "transport":
+        lines = [f"NIXL over UCX/TCP vs iperf3 on the same link ({r['link']}), medians of interleaved rounds"]
+        for k in ("unshaped", "shaped"):
+            x = r[k]
+            lines.append(f"  {k:<9} READ {x['READ_median_GBps']:.3f} GB/s ({x['READ_over_iperf3_median']:.2f} of iperf3), "
+                         f"WRITE {x['WRITE_median_GBps']:.3f} GB/s ({x['WRITE_over_iperf3_median']:.2f}); "
+                         f"iperf3 {x['iperf3']['median_GBps']:.3f} GB/s")
+        for s in r["shaped"].get("submission", []):
+            lines.append(f"  posting {s['ndesc']} x {s['desc_len'] // 1024} KiB {s['op']}: "
+                         f"{s['batch']['post_us_per_desc_median']:.1f} us/descriptor batched (1 request) vs "
+                         f"{s['each']['post_us_per_desc_median']:.1f} one by one ({s['post_ratio_each_over_batch']:.1f}x)")
+        c = r["class_bytes_into_initiator"]
+        lines.append(f"  HTB classes into the initiator's CNIC during a READ/WRITE check: kv {c['kv']} bytes, "
+                     f"model {c['model']} bytes (the benchmark's own control socket)")
+        return lines
+    sh, un = r["shaped"], r["unshaped_vs_fio"]
+    return [f"store reads through the shaped SNIC ({r['snic_rate_bps'] / 1e6:g} Mbit/s) vs iperf3 on it: "
+            f"median ratio {sh['ratio_median']:.3f} (runs {', '.join(f'{x:.3f}' for x in sh['ratios'])})",
+            f"store reads unshaped vs fio (O_DIRECT seq read) on the same disk: ratio {un['ratio']:.3f} "
+            f"(store {un['store_cold_gbps']} GB/s cold, fio {un['fio_direct_gbps']} GB/s; runs {un['ratio_runs']})"]
