@@ -105,6 +105,7 @@ def bench_store(fab: Fabric, scratch: Path, progress: Callable[[str], None] = pr
                          "ratio_median": sorted(ratios)[1]}
     finally:
         sp.stop()
-    progress("  store unshaped (loopback) vs fio on the same disk ...")
+    progress("  store unshaped (loopback) vs fio on the same disk, 1 and 2 servers ...")
     res["unshaped_vs_fio"] = bench_store_vs_fio(scratch, repeats=3)
+    res["unshaped_vs_fio_2_servers"] = bench_store_vs_fio(scratch, repeats=3, n_servers=2)
     return res

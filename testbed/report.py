@@ -91,8 +91,13 @@ def bench_lines(what: str, r: dict) -> list[str]:
         lines.append(f"  HTB classes into the initiator's CNIC during a READ/WRITE check: kv {c['kv']} bytes, "
                      f"model {c['model']} bytes (the benchmark's own control socket)")
         return lines
-    sh, un = r["shaped"], r["unshaped_vs_fio"]
-    return [f"store reads through the shaped SNIC ({r['snic_rate_bps'] / 1e6:g} Mbit/s) vs iperf3 on it: "
-            f"median ratio {sh['ratio_median']:.3f} (runs {', '.join(f'{x:.3f}' for x in sh['ratios'])})",
-            f"store reads unshaped vs fio (O_DIRECT seq read) on the same disk: ratio {un['ratio']:.3f} "
-            f"(store {un['store_cold_gbps']} GB/s cold, fio {un['fio_direct_gbps']} GB/s; runs {un['ratio_runs']})"]
+    sh = r["shaped"]
+    lines = [f"store reads through the shaped SNIC ({r['snic_rate_bps'] / 1e6:g} Mbit/s) vs iperf3 on it: "
+             f"median ratio {sh['ratio_median']:.3f} (runs {', '.join(f'{x:.3f}' for x in sh['ratios'])})"]
+    for key in ("unshaped_vs_fio", "unshaped_vs_fio_2_servers"):
+        un = r.get(key)
+        if un:
+            lines.append(f"store reads unshaped ({un['n_servers']} server(s), cold cache, CRC checked) vs fio "
+                         f"(O_DIRECT seq read) on the same disk: ratio {un['ratio']:.3f} (store "
+                         f"{un['store_cold_gbps']} GB/s, fio {un['fio_direct_gbps']} GB/s; runs {un['ratio_runs']})")
+    return lines
