@@ -159,7 +159,7 @@ def clean() -> None:
 
 @app.command("run")
 def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
-            modes: str = typer.Option("basic,layerwise,dualpath,oracle", help="comma-separated modes"),
+            modes: str = typer.Option("basic,layerwise,dualpath,dualpath-rr,oracle", help="comma-separated modes"),
             trajectories: int = typer.Option(24, min=1, max=1000, help="agentic trajectories (>= 8 turns each)"),
             seed: int = typer.Option(0, help="workload seed"),
             checkpoint: Optional[Path] = typer.Option(None, help="a local Qwen2/Llama checkpoint directory "
@@ -174,7 +174,8 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
 def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes")) -> None:
     """The main job: 24 agentic trajectories on 1p1d in every mode; tokens, JCT and bytes per NIC."""
     _need_root()
-    _run_e2e(DEFAULT_TOPOLOGY, "basic,layerwise,dualpath,oracle", 24, 0, None, out, "make demo  (dualpath demo)")
+    _run_e2e(DEFAULT_TOPOLOGY, "basic,layerwise,dualpath,dualpath-rr,oracle", 24, 0, None, out,
+             "make demo  (dualpath demo)")
 
 
 def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],

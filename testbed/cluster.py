@@ -148,7 +148,10 @@ class Cluster:
         self.ctx = zmq.asyncio.Context()
         for name, p in self.procs.items():
             self.clients[name] = RpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", p.alive)
-        metas = {n: (await c.call("hello", timeout_s=30))["metadata"] for n, c in self.clients.items()}
+        hellos = {n: await c.call("hello", timeout_s=30) for n, c in self.clients.items()}
+        metas = {n: h["metadata"] for n, h in hellos.items()}
+        rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
+        self.prefill_tokens_per_s = min(rates) if rates else 0.0
         for name, c in self.clients.items():
             await c.call("add_peers", metadata=[m for n, m in metas.items() if n != name], timeout_s=30)
         hosts = [n for n, p in self.procs.items() if p.role == "host"]

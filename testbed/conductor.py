@@ -20,10 +20,11 @@ from dualpath.buffers import ByteAllocator, OutOfSpace
 from dualpath.control import ControlError
 from dualpath.kv_spans import Span, kv_bytes
 from dualpath.layouts import BlockGeometry
+from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
 
-MODES = ("basic", "layerwise", "dualpath", "oracle")
+MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "oracle")
 PATHS = ("pe", "de")
 
 
@@ -58,6 +59,7 @@ class RequestRecord:
     t_done: float = 0.0
     read_wait_s: float = 0.0
     reread_bytes: int = 0  # KV read again by the DE because the PE's WRITE had not landed yet
+    attention_s: float = 0.0  # the PE's layer compute time for this request
     error: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -67,8 +69,8 @@ class RequestRecord:
 
 
 class PathChooser:
-    """Which side reads a request's hit KV: fixed per mode, alternating for dualpath (until the
-    scheduler decides by read queue)."""
+    """Which side reads a request's hit KV when no scheduler decides: fixed per mode, or
+    alternating."""
 
     def __init__(self, mode: str, fixed: str | None = None):
         self.mode, self.fixed = mode, fixed
@@ -79,13 +81,13 @@ class PathChooser:
             return "none"
         if self.fixed:
             return self.fixed
-        return next(self._alt) if self.mode == "dualpath" else "pe"
+        return next(self._alt) if self.mode.startswith("dualpath") else "pe"
 
 
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes,
                  path: str | None = None, request_timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None):
+                 on_record: Callable[[RequestRecord], None] | None = None, policy=None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
@@ -99,6 +101,7 @@ class Conductor:
         self._pe = itertools.cycle(cluster.engines("prefill"))
         self._de = itertools.cycle(cluster.engines("decode"))
         self.read_q: dict[str, int] = {n: 0 for n in self.buffers}  # bytes queued or being read
+        self.policy = policy  # a dualpath.scheduler.live.LivePolicy, for the dualpath modes
         self.t0 = time.monotonic()
 
     # -- buffers -------------------------------------------------------------------------------
@@ -139,13 +142,26 @@ class Conductor:
         rec.n_hit = n_hit_blocks * bs
         rec.n_miss = len(prompt) - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = kv_bytes(g, rec.n_hit), kv_bytes(g, rec.n_miss)
-        rec.path = self.choose_path()
-        rec.pe, rec.de = next(self._pe), next(self._de)
+        sreq = Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive)
+        if self.policy is not None:
+            deadline = time.monotonic() + self.timeout_s
+            while (choice := self.policy.choose(sreq)) is None:  # every PE overloaded: wait (FIFO)
+                if time.monotonic() > deadline:
+                    rec.error = "no engine admitted the request in time"
+                    self.on_record(rec)
+                    return rec
+                await asyncio.sleep(0.005)
+            rec.pe, rec.de, path = choice
+            rec.path = path.value
+        else:
+            rec.path = self.choose_path()
+            rec.pe, rec.de = next(self._pe), next(self._de)
         rec.pe_node, rec.de_node = c.host_of(rec.pe), c.host_of(rec.de)
         oracle = self.mode == "oracle"
         n_blocks = g.blocks_spanned(len(prompt))  # the area holds the partial tail block too
         n_wb = (len(prompt) + gen_len - 1) // bs - n_hit_blocks
         de_off = pe_off = wb_off = None
+        prefill_counted = False
         try:
             src = None
             if not oracle:
@@ -159,6 +175,8 @@ class Conductor:
                     else:
                         src = dst  # the DE path reads into the request's own area of the DE buffer
                     self.read_q[src_node] += n_hit_blocks * fb
+                    if self.policy is not None:
+                        self.policy.read_queued(src_node, n_hit_blocks * fb)
                     try:
                         rec.t_read_start = self._now()
                         await c.clients[src_node].call("load", keys=keys[:n_hit_blocks], offset=src.offset,
@@ -166,6 +184,8 @@ class Conductor:
                         rec.t_read_end = self._now()
                     finally:
                         self.read_q[src_node] -= n_hit_blocks * fb
+                        if self.policy is not None:
+                            self.policy.read_done(src_node, n_hit_blocks * fb)
             rec.t_prefill_start = self._now()
             pre = await c.clients[rec.pe].call(
                 "prefill", request=rec.request, tokens=prompt[rec.n_hit:], n_hit=rec.n_hit,
@@ -174,6 +194,10 @@ class Conductor:
                 src=src.to_msg() if src else None, dst=None if oracle else dst.to_msg(),
                 timeout_s=self.timeout_s)
             rec.t_first_token = self._now()
+            rec.attention_s = pre["compute_s"]
+            if self.policy is not None:  # tok_e counts unfinished prefill work only
+                self.policy.prefill_done(rec.pe, sreq)
+                prefill_counted = True
             if not oracle:  # the notifications follow the PE's WRITEs: then the layers have landed
                 await c.clients[rec.de_node].call(
                     "wait_notifs", peer=rec.pe, msgs=[f"{rec.request}/L{l}" for l in range(g.n_layer)],
@@ -213,6 +237,10 @@ class Conductor:
             rec.error = str(e)
             rec.t_done = self._now()
         finally:
+            if self.policy is not None:
+                if not prefill_counted:
+                    self.policy.prefill_done(rec.pe, sreq)
+                self.policy.decode_done(rec.de, sreq)
             for node, off in ((rec.pe_node, pe_off), (rec.de_node, de_off), (rec.de_node, wb_off)):
                 await self._free(node, off)
         self.on_record(rec)

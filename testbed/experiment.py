@@ -53,7 +53,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
     async def go() -> tuple[float, RequestRecord]:
-        co = Conductor(cluster, geom, mode, namespace, on_record=on_record)
+        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, policy=_policy(cluster, fab, geom, mode))
         sent0 = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values())
         warm = await co.warm(workload.system_prompt)
         if warm.error:
@@ -78,6 +78,22 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res
+
+
+def _policy(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str):
+    """The scheduler for the dualpath modes: Algorithm 1 + DE phase 2 + shorter read queue
+    ("dualpath"), or round-robin engines and paths ("dualpath-rr")."""
+    if mode not in ("dualpath", "dualpath-rr"):
+        return None
+    from dualpath.scheduler.live import LivePolicy
+    from dualpath.scheduler.thresholds import Profile
+
+    kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
+    profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8, prefill_tokens_per_s=cluster.prefill_tokens_per_s,
+                      kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
+    pairs = {r: [(e, cluster.host_of(e)) for e in cluster.engines(r)] for r in ("prefill", "decode")}
+    return LivePolicy(pairs["prefill"], pairs["decode"], profile, cluster.hbm_bytes // kv_per_token,
+                      policy="scheduled" if mode == "dualpath" else "rr")
 
 
 def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
@@ -144,6 +160,10 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         hit = sum(r.n_hit for r in ok)
         prompt = sum(r.n_prompt for r in ok)
         per_nic = _per_nic(res.accounting)
+        snic_rx = [v for (owner, kind, d), v in res.counters.kv_payload.items() if kind == "snic" and d == "rx"]
+        pe_att: dict[str, float] = {}
+        for r in ok:
+            pe_att[r.pe] = pe_att.get(r.pe, 0.0) + r.attention_s
         acc_bad = [r for r in per_nic if not r["ok"]]
         layer_bytes = [kv_bytes(geom, r.n_hit) // geom.n_layer for r in ok if r.n_hit and r.path != "none"]
         peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
@@ -164,6 +184,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                               "messages_at_conductor": res.control_app_bytes},
             "drops": sum(res.counters.drops.values()),
             "reread_bytes": sum(r.reread_bytes for r in ok),
+            "snic_max_over_avg": round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3) if sum(snic_rx) else None,
+            "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
+                                       if pe_att and sum(pe_att.values()) else None),
             "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
             "cpu_saturated": res.cpu_peak >= CPU_SATURATED,
         }

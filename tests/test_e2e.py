@@ -40,19 +40,20 @@ def summary(checkpoint, workload, tmp_path_factory):
         clean(verbose=False)
     with Fabric(load_topology(TOPO)) as fab:
         results = run_e2e(fab, workload, checkpoint, tmp_path_factory.mktemp("run"),
-                          modes=("basic", "layerwise", "dualpath", "oracle"), progress=lambda _m: None)
+                          modes=("basic", "layerwise", "dualpath", "dualpath-rr", "oracle"),
+                          progress=lambda _m: None)
     assert find_leftovers().empty()
     return summarize(results, workload, BlockGeometry.from_config(load_config(checkpoint)))
 
 
 def test_every_path_yields_the_tokens_and_kv_of_recomputation(summary):
-    for mode in ("basic", "layerwise", "dualpath"):
+    for mode in ("basic", "layerwise", "dualpath", "dualpath-rr"):
         m = summary["modes"][mode]
         assert m["errors"] == 0
         v = m["verification"]
         assert v["all_match"], (mode, v)
         assert v["tokens_match"] == v["requests"] == m["requests"]
-    dual = summary["modes"]["dualpath"]["paths"]
+    dual = summary["modes"]["dualpath-rr"]["paths"]
     assert dual["pe"] > 0 and dual["de"] > 0  # both read paths were exercised
 
 
@@ -68,8 +69,8 @@ def test_nic_bytes_match_the_path_definitions(summary):
     def snic(mode, node):
         return next(r["expected"] for r in summary["modes"][mode]["kv_bytes_vs_expected"]["per_nic"]
                     if r["nic"] == f"{node}/snic")
-    assert snic("dualpath", "dpt-d0") > 3 * snic("basic", "dpt-d0")
-    assert snic("basic", "dpt-p0") > snic("dualpath", "dpt-p0")
+    assert snic("dualpath-rr", "dpt-d0") > 3 * snic("basic", "dpt-d0")
+    assert snic("basic", "dpt-p0") > snic("dualpath-rr", "dpt-p0")
 
 
 def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):

@@ -35,8 +35,22 @@ def main() -> None:
     agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm")
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
 
+    def _profile_prefill(n: int = 512) -> float:
+        """Prefill tokens per second of this engine (beta = 5 s of it): a timed warm run."""
+        import time
+
+        model.prefill(list(range(4, 4 + 64)))  # warm-up
+        t0 = time.perf_counter()
+        model.prefill([4 + (i % 500) for i in range(n)], last_only=True)
+        return n / (time.perf_counter() - t0)
+
+    tokens_per_s = _profile_prefill() if args.role == "prefill" else None
+
     def hello() -> dict:
-        return {"metadata": agent.metadata(), "transport": agent.transport_in_use}
+        out = {"metadata": agent.metadata(), "transport": agent.transport_in_use}
+        if tokens_per_s:
+            out["prefill_tokens_per_s"] = tokens_per_s
+        return out
 
     def add_peers(metadata: list[bytes]) -> dict:
         return {"peers": [agent.add_peer(md) for md in metadata]}
