@@ -148,6 +148,34 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     typer.echo(f"results: {run_dir}/summary.json, report.md")
 
 
+@app.command("profile")
+def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint directory (default: the demo model)"),
+                quota: float = typer.Option(0.3, min=0.001, help="compute quota, seconds of attention per forward"),
+                out: Path = typer.Option(Path("results/profile"), help="where the run's folder goes")) -> None:
+    """Fit the compute-quota cost model on the engine's own prefill loop; derive beta."""
+    from dualpath.model import CheckpointError
+    from testbed.profile import profile
+
+    ckpt = checkpoint or _demo_checkpoint()
+    try:
+        res = profile(ckpt, quota_s=quota)
+    except CheckpointError as e:
+        _fail(str(e))
+    run_dir = out / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["dualpath", *sys.argv[1:]])
+    (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")
+    m = res["cost_model"]
+    typer.echo(f"cost model: t = {m['intercept']:.2e} + {m['per_new']:.2e}*new + {m['per_pair']:.2e}*pairs "
+               f"+ {m['per_cached']:.2e}*cached  (s)")
+    typer.echo(f"held-out median relative error {res['median_rel_error_held_out']:.1%}; prefill "
+               f"{res['prefill_tokens_per_s']:.0f} tokens/s, so beta = 5 s = {res['beta_tokens_at_5s']:.0f} tokens")
+    ex = res["example_chunk"]
+    typer.echo(f"a request of {ex['new']} new tokens after {ex['cached']} cached overflows the {quota:g} s quota: "
+               f"its first chunk is {ex['largest_chunk_in_quota']} tokens")
+    typer.echo(f"results: {run_dir}/summary.json")
+
+
 @app.command()
 def clean() -> None:
     """Remove anything the testbed left behind (matched by its dpt prefix only)."""
