@@ -17,6 +17,7 @@ memory only between its load and its last use, and the peak is reported.
 from __future__ import annotations
 
 import hashlib
+import time
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -107,8 +108,6 @@ class KVConnector(ABC):
         return self.agent.post("READ", plan.src.peer, "hbm", plan.src.region, descs, layer=layer)
 
     def _wait(self, xfer) -> None:
-        import time
-
         t0 = time.perf_counter()
         xfer.wait(self.timeout_s)
         self.stats.read_wait_s += time.perf_counter() - t0

@@ -68,7 +68,7 @@ def main() -> None:
             raise ValueError("a prefill needs at least one miss token")
         if mode == "oracle":
             conn = OracleConnector(agent, hbm, alloc, geom)
-        elif n_hit and plan.src is None or plan.dst is None:
+        elif (n_hit and plan.src is None) or plan.dst is None:
             raise ValueError(f"mode {mode!r} needs a destination span and, with hits, a source span")
         elif mode == "basic":
             conn = BasicConnector(agent, hbm, alloc, geom)
