@@ -192,10 +192,14 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             seed: int = typer.Option(0, help="workload seed"),
             checkpoint: Optional[Path] = typer.Option(None, help="a local Qwen2/Llama checkpoint directory "
                                                       "(default: the generated tiny demo model)"),
-            out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes")) -> None:
+            out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
+            transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     _need_root()
-    _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]))
+    if transport not in ("tcp", "rdma"):
+        _fail(f"--transport: {transport!r} is not tcp or rdma")
+    _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
+             transport)
 
 
 @app.command()
@@ -207,7 +211,7 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
 
 
 def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
-             out: Path, command: str) -> None:
+             out: Path, command: str, transport: str = "tcp") -> None:
     from dualpath.layouts import BlockGeometry
     from dualpath.model import CheckpointError, load_config
     from dualpath.workload import demo_workload, generate
@@ -235,12 +239,12 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
                f"shared system prompt {len(wl.system_prompt)} tokens; model {ckpt}; scratch {scratch}")
     t0 = time.monotonic()
     with _fabric(t) as fab:
-        results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo)
+        results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport)
     shutil.rmtree(scratch, ignore_errors=True)  # only reached on success: a failed run keeps its logs
     summary = summarize(results, wl, geom)
     summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,
                     "checkpoint": str(ckpt), "wall_s": round(time.monotonic() - t0, 1),
-                    "transport": "NIXL over UCX/TCP (no RDMA in this kernel)"})
+                    "transport": results[0].transport if results else transport})
     write_results(results, summary, run_dir, command)
     lines = e2e_lines(summary)
     (run_dir / "report.md").write_text(f"# dualpath run: {t.name}\n\nProduced by `{command}`.\n\n```\n"

@@ -75,7 +75,7 @@ class NodeProcess:
                 self.proc.wait(5)
 
 
-def _tail(path: Path, n: int = 3) -> str:
+def _tail(path: Path, n: int = 1) -> str:
     try:
         lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
     except OSError:
@@ -87,9 +87,10 @@ class Cluster:
     """Node processes on a Fabric. Use as a context manager: stop() always runs."""
 
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
-                 buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30):
+                 buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp"):
         self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
         self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
+        self.transport = transport  # "rdma" without RDMA devices fails at start, never falls back
         self.stores: list[ServerProcess] = []
         self.procs: dict[str, NodeProcess] = {}
         self.clients: dict[str, RpcClient] = {}
@@ -137,7 +138,8 @@ class Cluster:
         log = self.run_dir / "logs" / f"{ep.name}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         argv = ns_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
-                                 "--ip", ip, "--control-port", str(CONTROL_PORT), *extra])
+                                 "--ip", ip, "--control-port", str(CONTROL_PORT), "--transport", self.transport,
+                                 *extra])
         with open(log, "wb") as lf:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=lf, stdin=subprocess.DEVNULL,
                                     cwd=REPO, env=env)

@@ -38,6 +38,7 @@ class ModeResult:
     cpu_peak: float
     accounting: list = field(default_factory=list)
     verdicts: dict[str, Any] = field(default_factory=dict)
+    transport: str = ""  # as the node processes reported it
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
@@ -134,14 +135,14 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
 
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = 16,
-            progress: Callable[[str], None] = print) -> list[ModeResult]:
+            progress: Callable[[str], None] = print, transport: str = "tcp") -> list[ModeResult]:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
     geom = BlockGeometry.from_config(load_config(checkpoint), block_size=block_size)
     results = []
     t0 = time.monotonic()
-    with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes) as cluster:
+    with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport) as cluster:
         cluster.run(cluster.connect())
         progress(f"  cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.procs)} node processes, "
                  f"{len(cluster.stores)} storage server(s); transport {sorted(set(cluster.transports.values()))[0].split(' via ')[0]}")
@@ -149,6 +150,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
             progress(f"  mode {mode}")
             ns = f"{run_dir.name}/{mode}".encode()[:64]
             results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress))
+            results[-1].transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
     verify(results, checkpoint, geom, progress)
     return results
 

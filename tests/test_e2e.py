@@ -124,3 +124,13 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
             raw = p.read_bytes()
             n, crc = decode_header(raw[:64], p.name)
             assert len(raw) - 64 == n and zlib.crc32(raw[64:]) == crc, p
+
+
+def test_asking_for_rdma_without_it_fails_loudly(no_leftovers):
+    from tests.conftest import dualpath
+
+    r = dualpath("run", "--transport", "rdma", "--trajectories", "1", "--modes", "basic", timeout=180)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert "no RDMA device" in r.stderr and "does not fall back" in r.stderr
+    assert "cluster up" not in r.stdout  # nothing ran over TCP instead
