@@ -239,7 +239,9 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
                f"shared system prompt {len(wl.system_prompt)} tokens; model {ckpt}; scratch {scratch}")
     t0 = time.monotonic()
     with _fabric(t) as fab:
-        results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport)
+        spec = t.spec  # the buffers' budgets come from the topology (memory is touched only as used)
+        results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport,
+                          buffer_bytes=int(spec.dram_buffer_gib * 2**30), hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
     shutil.rmtree(scratch, ignore_errors=True)  # only reached on success: a failed run keeps its logs
     summary = summarize(results, wl, geom)
     summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,

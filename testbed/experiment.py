@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dualpath.accounting import RequestBytes, compare, expected_totals
+from dualpath.accounting import RequestBytes, compare, expected_totals, request_bytes
 from dualpath.kv_spans import kv_bytes
 from dualpath.layouts import BlockGeometry
 from dualpath.model import load_config
@@ -217,10 +217,27 @@ def _per_nic(rows) -> list[dict[str, Any]]:
     return out
 
 
+def interfaces_of(r: RequestRecord, mode: str) -> dict[str, int]:
+    """The interfaces that carried this request's KV, with bytes per direction, by the path definition.
+
+    Keys name the emulated NIC (the node's or engine's namespace, its kind) and the direction
+    in that NIC's view, e.g. "dpt-d0/snic/rx".
+    """
+    if r.error:
+        return {}
+    owner = {"pe": r.pe_node, "de": r.de_node, "storage": "storage"}
+    out: dict[str, int] = {}
+    for (nic, direction), n in request_bytes(_request_bytes(r, mode)).items():
+        if n:
+            who = (r.pe if nic.side == "pe" else r.de) if nic.kind == "cnic" else owner[nic.side]
+            out[f"{who}/{nic.kind}/{direction}"] = n
+    return out
+
+
 def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: Path, command: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **summary}, indent=2) + "\n")
     with open(run_dir / "records.jsonl", "w") as f:
         for res in results:
             for r in res.records:
-                f.write(json.dumps(r.to_json()) + "\n")
+                f.write(json.dumps({**r.to_json(), "interfaces": interfaces_of(r, res.mode)}) + "\n")
