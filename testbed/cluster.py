@@ -97,6 +97,8 @@ class Cluster:
         self.transports: dict[str, str] = {}
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
+        self.cost_model = None
+        self.prefill_tokens_per_s = 0.0
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -154,6 +156,11 @@ class Cluster:
         metas = {n: h["metadata"] for n, h in hellos.items()}
         rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
         self.prefill_tokens_per_s = min(rates) if rates else 0.0
+        # The compute-quota cost model, fitted on the engines' own prefill loop.
+        fits = [h["cost_model"] for h in hellos.values() if "cost_model" in h]
+        from dualpath.scheduler.cost_model import AttentionCostModel
+
+        self.cost_model = AttentionCostModel.from_dict(fits[0]) if fits else None
         for name, c in self.clients.items():
             await c.call("add_peers", metadata=[m for n, m in metas.items() if n != name], timeout_s=30)
         hosts = [n for n, p in self.procs.items() if p.role == "host"]

@@ -87,7 +87,8 @@ class PathChooser:
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes,
                  path: str | None = None, request_timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None, policy=None):
+                 on_record: Callable[[RequestRecord], None] | None = None, policy=None,
+                 cost_model=None, quota_s: float = 0.3):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
@@ -102,6 +103,11 @@ class Conductor:
         self._de = itertools.cycle(cluster.engines("decode"))
         self.read_q: dict[str, int] = {n: 0 for n in self.buffers}  # bytes queued or being read
         self.policy = policy  # a dualpath.scheduler.live.LivePolicy, for the dualpath modes
+        # With a cost model, PEs run quota-packed batches (the paper's intra-engine scheduling).
+        self.cost_model, self.quota_s = cost_model, quota_s
+        self._pe_waiting: dict[str, list] = {}
+        self._batchers: dict[str, asyncio.Future] = {}
+        self.batches: list[dict] = []  # one per forward batch: engine, times, attention seconds
         self.t0 = time.monotonic()
 
     # -- buffers -------------------------------------------------------------------------------
@@ -187,12 +193,11 @@ class Conductor:
                         if self.policy is not None:
                             self.policy.read_done(src_node, n_hit_blocks * fb)
             rec.t_prefill_start = self._now()
-            pre = await c.clients[rec.pe].call(
-                "prefill", request=rec.request, tokens=prompt[rec.n_hit:], n_hit=rec.n_hit,
+            pre = await self._prefill(rec.pe, dict(
+                request=rec.request, tokens=prompt[rec.n_hit:], n_hit=rec.n_hit,
                 mode=("oracle" if oracle else "basic" if self.mode == "basic" else "layerwise"),
                 write=("all" if rec.path == "pe" else "miss"),
-                src=src.to_msg() if src else None, dst=None if oracle else dst.to_msg(),
-                timeout_s=self.timeout_s)
+                src=src.to_msg() if src else None, dst=None if oracle else dst.to_msg()))
             rec.t_first_token = self._now()
             rec.attention_s = pre["compute_s"]
             if self.policy is not None:  # tok_e counts unfinished prefill work only
@@ -248,6 +253,44 @@ class Conductor:
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
+
+    # -- intra-engine batching -----------------------------------------------------------------
+    async def _prefill(self, pe: str, args: dict) -> dict:
+        """Prefill one request: alone, or (with a cost model) in the PE's next quota-sized batch."""
+        if self.cost_model is None:
+            return await self.c.clients[pe].call("prefill", timeout_s=self.timeout_s, **args)
+        fut = asyncio.get_running_loop().create_future()
+        self._pe_waiting.setdefault(pe, []).append((args, fut))
+        if pe not in self._batchers:
+            self._batchers[pe] = asyncio.ensure_future(self._batcher(pe))
+        return await fut
+
+    async def _batcher(self, pe: str) -> None:
+        """Packs the PE's waiting requests into forward batches under the compute quota."""
+        waiting = self._pe_waiting[pe]
+        while waiting:
+            await asyncio.sleep(0)  # requests arriving in this same instant join the batch
+            batch, used = [], self.cost_model.intercept
+            while waiting:
+                args, fut = waiting[0]
+                cost = self.cost_model.request_cost(args["n_hit"], len(args["tokens"]))
+                if batch and used + cost > self.quota_s:
+                    break  # full: the rest waits for the next forward
+                batch.append(waiting.pop(0))
+                used += cost
+            t0 = self._now()
+            try:
+                rep = await self.c.clients[pe].call("prefill_batch", requests=[a for a, _ in batch],
+                                                    timeout_s=self.timeout_s)
+            except ControlError as e:
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(batch),
+                                 "attention_s": rep["attention_s"], "predicted_s": used})
+            for (_, fut), res in zip(batch, rep["results"]):
+                fut.set_result(res)
+        del self._batchers[pe]
 
     # -- trajectories --------------------------------------------------------------------------
     async def trajectory(self, tid: int, system_prompt: list[int], turns: list[tuple[list[int], int]]

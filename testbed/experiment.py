@@ -39,11 +39,14 @@ class ModeResult:
     accounting: list = field(default_factory=list)
     verdicts: dict[str, Any] = field(default_factory=dict)
     transport: str = ""  # as the node processes reported it
+    batches: list = field(default_factory=list)  # PE forward batches (dualpath modes)
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
               namespace: bytes, progress: Callable[[str], None]) -> ModeResult:
     recs: list[RequestRecord] = []
+    batches: list[dict] = []
+    holder: list[Conductor] = []
     done = [0]
     total = sum(len(t.turns) for t in workload.trajectories)
 
@@ -54,7 +57,11 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
     async def go() -> tuple[float, RequestRecord]:
-        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, policy=_policy(cluster, fab, geom, mode))
+        policy = _policy(cluster, fab, geom, mode)
+        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, policy=policy,
+                       cost_model=cluster.cost_model if policy is not None else None)
+        batches.extend([])  # filled below, after the run
+        holder.append(co)
         sent0 = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values())
         warm = await co.warm(workload.system_prompt)
         if warm.error:
@@ -76,6 +83,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
+    res.batches = holder[0].batches if holder else []
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res
@@ -189,10 +197,35 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "snic_max_over_avg": round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3) if sum(snic_rx) else None,
             "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
                                        if pe_att and sum(pe_att.values()) else None),
+            "forward_attention_max_over_avg": _forward_balance(res.batches),
+            "forward_batches": len(res.batches),
+            "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
             "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
             "cpu_saturated": res.cpu_peak >= CPU_SATURATED,
         }
     return out
+
+
+def _forward_balance(batches: list[dict]) -> float | None:
+    """Attention time max/avg across PEs per forward step, while every PE is loaded.
+
+    Step k is each PE's k-th forward batch (data-parallel engines step together in the
+    paper); only steps that every PE reaches count, i.e. while all of them have work.
+    The median over those steps is reported.
+    """
+    per: dict[str, list[float]] = {}
+    for b in batches:
+        per.setdefault(b["pe"], []).append(b["attention_s"])
+    if len(per) < 2:
+        return None
+    steps = min(len(v) for v in per.values())
+    ratios = []
+    for k in range(steps):
+        vals = [v[k] for v in per.values()]
+        mean = sum(vals) / len(vals)
+        if mean > 0:
+            ratios.append(max(vals) / mean)
+    return round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None
 
 
 def _per_nic(rows) -> list[dict[str, Any]]:

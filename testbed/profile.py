@@ -35,6 +35,16 @@ def _time_prefill(model: Transformer, cached: int, new: int, reps: int) -> float
     return best
 
 
+def profile_model(model: Transformer, reps: int = 3, small: bool = False) -> dict[str, Any]:
+    """Fit the cost model and measure prefill throughput on `model` (the engine calls this at start)."""
+    grid = [(c, n) for c in ((0, 512, 2048) if small else (0, 256, 1024, 2048))
+            for n in ((16, 128, 512) if small else (16, 64, 256, 512))]
+    samples = [ProfileSample(((c, n),), _time_prefill(model, c, n, reps)) for c, n in grid]
+    fit = AttentionCostModel.fit(samples)
+    return {"cost_model": fit.to_dict(), "samples": [{"batch": list(s.batch), "seconds": s.seconds} for s in samples],
+            "prefill_tokens_per_s": 512 / _time_prefill(model, 0, 512, reps)}
+
+
 def profile(checkpoint: Path, quota_s: float = 0.3, reps: int = 3) -> dict[str, Any]:
     torch.set_num_threads(1)  # as the engines run
     model = Transformer.from_pretrained(checkpoint)

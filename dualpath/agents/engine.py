@@ -24,7 +24,7 @@ def main() -> None:
     torch.set_num_threads(1)  # bit-exact with the reference, and no thread fights on 2 cores
     from dualpath.buffers import ByteAllocator
     from dualpath.engines.decode import decode as run_decode
-    from dualpath.engines.prefill import prefill as run_prefill
+    from dualpath.engines.prefill import prefill_batch as run_prefill_batch
     from dualpath.kv_connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector
     from dualpath.kv_spans import Span
     from dualpath.layouts import BlockGeometry
@@ -35,21 +35,17 @@ def main() -> None:
     agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm")
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
 
-    def _profile_prefill(n: int = 512) -> float:
-        """Prefill tokens per second of this engine (beta = 5 s of it): a timed warm run."""
-        import time
+    profiled = None
+    if args.role == "prefill":  # what the scheduler needs of this engine: beta and the quota's cost model
+        from testbed.profile import profile_model
 
-        model.prefill(list(range(4, 4 + 64)))  # warm-up
-        t0 = time.perf_counter()
-        model.prefill([4 + (i % 500) for i in range(n)], last_only=True)
-        return n / (time.perf_counter() - t0)
-
-    tokens_per_s = _profile_prefill() if args.role == "prefill" else None
+        profiled = profile_model(model, reps=1, small=True)
 
     def hello() -> dict:
         out = {"metadata": agent.metadata(), "transport": agent.transport_in_use}
-        if tokens_per_s:
-            out["prefill_tokens_per_s"] = tokens_per_s
+        if profiled:
+            out["prefill_tokens_per_s"] = profiled["prefill_tokens_per_s"]
+            out["cost_model"] = profiled["cost_model"]
         return out
 
     def add_peers(metadata: list[bytes]) -> dict:
@@ -60,27 +56,41 @@ def main() -> None:
             agent.connect(p)
         return {}
 
+    def _connector(mode: str, write: str, plan: LoadPlan):
+        if mode == "oracle":
+            return OracleConnector(agent, hbm, alloc, geom)
+        if (plan.n_hit and plan.src is None) or plan.dst is None:
+            raise ValueError(f"mode {mode!r} needs a destination span and, with hits, a source span")
+        if mode == "basic":
+            return BasicConnector(agent, hbm, alloc, geom)
+        if mode == "layerwise":
+            return LayerwiseConnector(agent, hbm, alloc, geom, write_hit=(write == "all"))
+        raise ValueError(f"unknown prefill mode {mode!r}")
+
     def prefill(request: str, tokens: list[int], n_hit: int, mode: str, write: str,
                 src: dict | None, dst: dict | None) -> dict:
-        plan = LoadPlan(request, n_hit, len(tokens), Span.from_msg(src) if src else None,
-                        Span.from_msg(dst) if dst else None)
-        if not tokens:
-            raise ValueError("a prefill needs at least one miss token")
-        if mode == "oracle":
-            conn = OracleConnector(agent, hbm, alloc, geom)
-        elif (n_hit and plan.src is None) or plan.dst is None:
-            raise ValueError(f"mode {mode!r} needs a destination span and, with hits, a source span")
-        elif mode == "basic":
-            conn = BasicConnector(agent, hbm, alloc, geom)
-        elif mode == "layerwise":
-            conn = LayerwiseConnector(agent, hbm, alloc, geom, write_hit=(write == "all"))
-        else:
-            raise ValueError(f"unknown prefill mode {mode!r}")
-        out = run_prefill(model, tokens, plan, conn)
-        s = conn.stats
-        return {"first_token": out.first_token, "compute_s": out.compute_s, "total_s": out.total_s,
-                "read_bytes": s.read_bytes, "written_bytes": s.written_bytes, "read_wait_s": s.read_wait_s,
-                "peak_hit_bytes": s.peak_hit_bytes, "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs}
+        return prefill_batch([dict(request=request, tokens=tokens, n_hit=n_hit, mode=mode, write=write,
+                                   src=src, dst=dst)])["results"][0]
+
+    def prefill_batch(requests: list[dict]) -> dict:
+        """One forward batch: every request's layer l, then every request's layer l+1, ..."""
+        items = []
+        for r in requests:
+            if not r.get("tokens"):
+                raise ValueError(f"request {r.get('request')!r}: a prefill needs at least one miss token")
+            plan = LoadPlan(r["request"], int(r["n_hit"]), len(r["tokens"]),
+                            Span.from_msg(r["src"]) if r.get("src") else None,
+                            Span.from_msg(r["dst"]) if r.get("dst") else None)
+            items.append((list(r["tokens"]), plan, _connector(r["mode"], r["write"], plan)))
+        outs = run_prefill_batch(model, items)
+        results = []
+        for (_, _, conn), out in zip(items, outs):
+            s = conn.stats
+            results.append({"first_token": out.first_token, "compute_s": out.compute_s, "total_s": out.total_s,
+                            "read_bytes": s.read_bytes, "written_bytes": s.written_bytes,
+                            "read_wait_s": s.read_wait_s, "peak_hit_bytes": s.peak_hit_bytes,
+                            "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs})
+        return {"results": results, "attention_s": sum(o.compute_s for o in outs)}
 
     def decode(request: str, n_prompt: int, first_token: int, gen_len: int, src: dict | None,
                wb: dict | None, first_new_block: int, expect_crcs: list[int] | None = None,
@@ -96,7 +106,8 @@ def main() -> None:
         return {"shutdown": True}
 
     handlers = {"hello": hello, "add_peers": add_peers, "connect": connect, "shutdown": shutdown,
-                **({"prefill": prefill} if args.role == "prefill" else {"decode": decode})}
+                **({"prefill": prefill, "prefill_batch": prefill_batch} if args.role == "prefill"
+                   else {"decode": decode})}
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}", handlers)
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
