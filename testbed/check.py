@@ -85,7 +85,7 @@ def _class_bytes(dev: str, classid: str, ns: str | None = None) -> int:
     return class_bytes(dev, ns).get(classid, 0)
 
 
-def _measure_link(fab: Fabric, mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip: str,
+def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip: str,
                   tos_class: Any, seconds: float, port: int) -> LinkResult:
     """One TCP flow through `nic` in `direction`; the peer's links are at least as fast."""
     src, dst, dst_ip = (nic.ns, peer_ns, peer_ip) if direction == "tx" else (peer_ns, nic.ns, nic.ip)
@@ -207,7 +207,7 @@ def check(fab: Fabric, seconds: float = 3.0, progress: Any = print) -> CheckRepo
         fab.apply_shaping(True)
         for i, (nic, direction, peer, peer_ip, tc) in enumerate(link_cases(fab)):
             progress(f"  {nic.kind:<10} {direction} ({tc.name} class) ...")
-            r = _measure_link(fab, mon, nic, direction, peer, peer_ip, tc, seconds, BASE_PORT)
+            r = _measure_link(mon, nic, direction, peer, peer_ip, tc, seconds, BASE_PORT)
             report.links.append(r)
             if not r.ok:
                 report.problems.append(f"{r.nic_kind} {r.direction}: {r.ratio:.3f} of configured ({r.note})")

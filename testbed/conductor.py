@@ -72,27 +72,25 @@ class PathChooser:
     """Which side reads a request's hit KV when no scheduler decides: fixed per mode, or
     alternating."""
 
-    def __init__(self, mode: str, fixed: str | None = None):
-        self.mode, self.fixed = mode, fixed
+    def __init__(self, mode: str):
+        self.mode = mode
         self._alt = itertools.cycle(PATHS)
 
     def __call__(self) -> str:
         if self.mode == "oracle":
             return "none"
-        if self.fixed:
-            return self.fixed
         return next(self._alt) if self.mode.startswith("dualpath") else "pe"
 
 
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes,
-                 path: str | None = None, request_timeout_s: float = 120.0,
+                 request_timeout_s: float = 120.0,
                  on_record: Callable[[RequestRecord], None] | None = None, policy=None,
                  cost_model=None, quota_s: float = 0.3):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
-        self.choose_path = PathChooser(mode, path)
+        self.choose_path = PathChooser(mode)
         self.timeout_s = request_timeout_s
         self.on_record = on_record or (lambda r: None)
         self.stored: set[str] = set()
@@ -101,7 +99,6 @@ class Conductor:
         self._space = asyncio.Condition()
         self._pe = itertools.cycle(cluster.engines("prefill"))
         self._de = itertools.cycle(cluster.engines("decode"))
-        self.read_q: dict[str, int] = {n: 0 for n in self.buffers}  # bytes queued or being read
         self.policy = policy  # a dualpath.scheduler.live.LivePolicy, for the dualpath modes
         # With a cost model, PEs run quota-packed batches (the paper's intra-engine scheduling).
         self.cost_model, self.quota_s = cost_model, quota_s
@@ -180,7 +177,6 @@ class Conductor:
                         src = Span(rec.pe_node, "buf", pe_off)
                     else:
                         src = dst  # the DE path reads into the request's own area of the DE buffer
-                    self.read_q[src_node] += n_hit_blocks * fb
                     if self.policy is not None:
                         self.policy.read_queued(src_node, n_hit_blocks * fb)
                     try:
@@ -189,7 +185,6 @@ class Conductor:
                                                        timeout_s=self.timeout_s)
                         rec.t_read_end = self._now()
                     finally:
-                        self.read_q[src_node] -= n_hit_blocks * fb
                         if self.policy is not None:
                             self.policy.read_done(src_node, n_hit_blocks * fb)
             rec.t_prefill_start = self._now()

@@ -45,8 +45,6 @@ class ModeResult:
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
               namespace: bytes, progress: Callable[[str], None]) -> ModeResult:
     recs: list[RequestRecord] = []
-    batches: list[dict] = []
-    holder: list[Conductor] = []
     done = [0]
     total = sum(len(t.turns) for t in workload.trajectories)
 
@@ -56,12 +54,10 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             if done[0] % max(total // 10, 1) == 0 or done[0] == total:
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
-    async def go() -> tuple[float, RequestRecord]:
+    async def go() -> tuple[float, RequestRecord, int, Conductor]:
         policy = _policy(cluster, fab, geom, mode)
         co = Conductor(cluster, geom, mode, namespace, on_record=on_record, policy=policy,
                        cost_model=cluster.cost_model if policy is not None else None)
-        batches.extend([])  # filled below, after the run
-        holder.append(co)
         sent0 = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values())
         warm = await co.warm(workload.system_prompt)
         if warm.error:
@@ -74,16 +70,16 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             recs.extend(p)
         jct = max(r.t_done for r in recs) - t0
         app = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values()) - sent0
-        return jct, warm, app
+        return jct, warm, app, co
 
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
     with Monitor(devs, interval_s=0.25) as mon:
-        jct, warm, app_bytes = cluster.run(go())
+        jct, warm, app_bytes, co = cluster.run(go())
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
-    res.batches = holder[0].batches if holder else []
+    res.batches = co.batches
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res

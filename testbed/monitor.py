@@ -76,12 +76,6 @@ class Monitor:
             raise ValueError("measurement window too short for the sampling interval")
         return inside[0], inside[-1]
 
-    def rate_bps(self, dev: str, node_direction: str, t0: float, t1: float) -> float:
-        """Wire rate of a NIC in the node's view: 'tx' = node sends, 'rx' = node receives."""
-        a, b = self.window(t0, t1)
-        idx = 0 if node_direction == "tx" else 1  # bridge rx = node tx
-        return (b.bytes[dev][idx] - a.bytes[dev][idx]) * 8 / (b.t - a.t)
-
     def cpu_busy(self, t0: float | None = None, t1: float | None = None) -> float:
         """Share of all cores busy over the window (0..1)."""
         a, b = self.window(t0 if t0 is not None else -1e18, t1 if t1 is not None else 1e18)

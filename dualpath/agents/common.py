@@ -38,3 +38,25 @@ def make_agent(args, region: str, nbytes: int, kind: str):
 def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def wiring_handlers(agent, extra_hello: dict | None = None) -> dict:
+    """The control commands every node process serves: introduce its transport agent to
+    peers, open connections ahead of the first transfer, and shut down."""
+    hello_reply = {"metadata": agent.metadata(), "transport": agent.transport_in_use, **(extra_hello or {})}
+
+    def hello() -> dict:
+        return hello_reply
+
+    def add_peers(metadata: list[bytes]) -> dict:
+        return {"peers": [agent.add_peer(m) for m in metadata]}
+
+    def connect(peers: list[str]) -> dict:
+        for p in peers:
+            agent.connect(p)
+        return {}
+
+    def shutdown() -> dict:
+        return {"shutdown": True}
+
+    return {"hello": hello, "add_peers": add_peers, "connect": connect, "shutdown": shutdown}

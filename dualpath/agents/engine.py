@@ -6,7 +6,7 @@ serves `prefill`; a decode engine serves `decode`.
 """
 from __future__ import annotations
 
-from dualpath.agents.common import base_args, exit_on_sigterm, make_agent
+from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
 from dualpath.control import RpcServer
 
 
@@ -40,21 +40,6 @@ def main() -> None:
         from testbed.profile import profile_model
 
         profiled = profile_model(model, reps=1, small=True)
-
-    def hello() -> dict:
-        out = {"metadata": agent.metadata(), "transport": agent.transport_in_use}
-        if profiled:
-            out["prefill_tokens_per_s"] = profiled["prefill_tokens_per_s"]
-            out["cost_model"] = profiled["cost_model"]
-        return out
-
-    def add_peers(metadata: list[bytes]) -> dict:
-        return {"peers": [agent.add_peer(md) for md in metadata]}
-
-    def connect(peers: list[str]) -> dict:
-        for p in peers:
-            agent.connect(p)
-        return {}
 
     def _connector(mode: str, write: str, plan: LoadPlan):
         if mode == "oracle":
@@ -102,10 +87,8 @@ def main() -> None:
                 "read_bytes": out.read_bytes, "written_bytes": out.written_bytes, "total_s": out.total_s,
                 "block_crcs": out.block_crcs, "reread_bytes": out.reread_bytes}
 
-    def shutdown() -> dict:
-        return {"shutdown": True}
-
-    handlers = {"hello": hello, "add_peers": add_peers, "connect": connect, "shutdown": shutdown,
+    extra = {k: profiled[k] for k in ("prefill_tokens_per_s", "cost_model")} if profiled else {}
+    handlers = {**wiring_handlers(agent, extra),
                 **({"prefill": prefill, "prefill_batch": prefill_batch} if args.role == "prefill"
                    else {"decode": decode})}
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}", handlers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import zlib
 
-from dualpath.agents.common import base_args, exit_on_sigterm, make_agent
+from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
 from dualpath.control import RpcServer
 from dualpath.store.client import StoreClient
 
@@ -27,19 +27,6 @@ def main() -> None:
     store = StoreClient(args.store.split(","), args.block_bytes)
     view = memoryview(buf)
     fb = args.block_bytes
-
-    md = agent.metadata()
-
-    def hello() -> dict:
-        return {"metadata": md, "transport": agent.transport_in_use}
-
-    def add_peers(metadata: list[bytes]) -> dict:
-        return {"peers": [agent.add_peer(m) for m in metadata]}
-
-    def connect(peers: list[str]) -> dict:
-        for p in peers:
-            agent.connect(p)
-        return {}
 
     def load(keys: list[str], offset: int) -> dict:
         """Read Full Blocks into consecutive slots of the buffer from `offset`."""
@@ -75,12 +62,9 @@ def main() -> None:
     def contains(keys: list[str]) -> dict:
         return {"present": store.contains(keys)}
 
-    def shutdown() -> dict:
-        return {"shutdown": True}
-
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                       {"hello": hello, "add_peers": add_peers, "connect": connect, "load": load, "flush": flush, "wait_notifs": wait_notifs,
-                        "contains": contains, "shutdown": shutdown})
+                       {**wiring_handlers(agent), "load": load, "flush": flush, "wait_notifs": wait_notifs,
+                        "contains": contains})
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()
