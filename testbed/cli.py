@@ -212,11 +212,10 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
 
 def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
              out: Path, command: str, transport: str = "tcp") -> None:
-    from dualpath.layouts import BlockGeometry
-    from dualpath.model import CheckpointError, load_config
+    from dualpath.model import CheckpointError
     from dualpath.workload import demo_workload, generate
     from testbed.conductor import MODES
-    from testbed.experiment import run_e2e, summarize, write_results
+    from testbed.experiment import run_e2e, run_geometry, summarize, write_results
     from testbed.report import e2e_lines
 
     t = _topology(topology)
@@ -226,7 +225,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
         _fail(f"--modes: unknown mode(s) {bad or modes!r}; choose from {','.join(MODES)}")
     ckpt = checkpoint or _demo_checkpoint()
     try:
-        geom = BlockGeometry.from_config(load_config(ckpt))
+        geom = run_geometry(ckpt)
     except CheckpointError as e:
         _fail(str(e))
     wl = generate(demo_workload(seed=seed, n_trajectories=trajectories))

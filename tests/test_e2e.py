@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.layouts import BlockGeometry
-from dualpath.model import load_config
 from dualpath.model.tiny import DEMO, make_tiny_checkpoint
 from dualpath.workload import demo_workload, generate
 from emulators.kvstore.blockfile import decode_header
 from testbed.cluster import Cluster
 from testbed.conductor import Conductor
-from testbed.experiment import run_e2e, summarize
+from testbed.experiment import run_e2e, run_geometry, summarize
 from testbed.fabric import Fabric
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
@@ -43,7 +41,7 @@ def summary(checkpoint, workload, tmp_path_factory):
                           modes=("basic", "layerwise", "dualpath", "dualpath-rr", "oracle"),
                           progress=lambda _m: None)
     assert find_leftovers().empty()
-    return summarize(results, workload, BlockGeometry.from_config(load_config(checkpoint)))
+    return summarize(results, workload, run_geometry(checkpoint))
 
 
 def test_every_path_yields_the_tokens_and_kv_of_recomputation(summary):
@@ -82,7 +80,7 @@ def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):
 
 def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpoint, workload, tmp_path,
                                                                          no_leftovers):
-    geom = BlockGeometry.from_config(load_config(checkpoint))
+    geom = run_geometry(checkpoint)
     with Fabric(load_topology(TOPO)) as fab, \
             Cluster(fab, tmp_path, checkpoint, geom, 64 << 20, 64 << 20) as cluster:
         cluster.run(cluster.connect())
