@@ -1,12 +1,12 @@
 """Both KV read paths end to end on a live 1p1d, with a real model, store and transport."""
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 
 from dualpath.model.tiny import DEMO, make_tiny_checkpoint
+from dualpath.store.checksum import checksum
 from dualpath.workload import demo_workload, generate
 from emulators.kvstore.blockfile import decode_header
 from testbed.cluster import Cluster
@@ -120,8 +120,8 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
         assert blocks and not [p for p in blocks if p.name.startswith(".tmp")]
         for p in blocks:
             raw = p.read_bytes()
-            n, crc = decode_header(raw[:64], p.name)
-            assert len(raw) - 64 == n and zlib.crc32(raw[64:]) == crc, p
+            h = decode_header(raw[:64], p.name)
+            assert len(raw) - 64 == h.payload_len and checksum(raw[64:], h.algo) == h.payload_crc, p
 
 
 def test_asking_for_rdma_without_it_fails_loudly(no_leftovers):

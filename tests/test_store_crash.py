@@ -10,13 +10,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dualpath.store import MissingBlockError, StoreClient, StoreError, chain_keys, is_valid_key
+from dualpath.store.checksum import WRITE_ALGO, checksum
 from dualpath.store.protocol import pack_frame
 from emulators.kvstore.blockfile import TEMP_PREFIX
 from emulators.kvstore.launch import ServerProcess
@@ -104,7 +104,7 @@ def test_sigkill_mid_write_then_restart(tmp_path: Path):
             half = socket.create_connection(addr, timeout=10)
             pkey = partial[cycle]
             payload = np.random.default_rng(7).bytes(BB)
-            half.sendall(pack_frame({"op": "put", "id": 1, "key": pkey, "n": BB, "crc": zlib.crc32(payload)}) + payload[: BB // 2])
+            half.sendall(pack_frame({"op": "put", "id": 1, "key": pkey, "n": BB, "crc": checksum(payload), "algo": WRITE_ALGO}) + payload[: BB // 2])
             wait_for(lambda: any(pkey in p.name for p in temp_files(root)), 10, "the half-sent put's temp file")
             # 2) a writer streaming whole puts; kill while it is busy
             w = Writer(addr, keys[next_key:], index)

@@ -243,7 +243,7 @@ def test_bad_keys_rejected_by_client_and_server(client: StoreClient, server: Sto
         with pytest.raises(BadKeyError):
             client.put(bad, block(0))
         # Bypass the client's own check: the server must refuse too, and keep serving.
-        for req, payload in (({"op": "get", "id": 7, "key": bad}, b""), ({"op": "put", "id": 8, "key": bad, "n": 16, "crc": 0}, b"y" * 16)):
+        for req, payload in (({"op": "get", "id": 7, "key": bad}, b""), ({"op": "put", "id": 8, "key": bad, "n": 16, "crc": 0, "algo": 2}, b"y" * 16)):
             reply = raw_request(server.address, req, payload)
             assert reply["ok"] is False and reply["err"] == "bad_key"
     assert not list(server.store.root.rglob("passwd"))
@@ -304,7 +304,7 @@ def test_disk_full_is_a_clear_error_and_leaves_nothing(client: StoreClient, serv
 def test_payload_damaged_on_the_way_in_is_refused(server: StoreServer):
     k = keys_for(1)[0]
     data = block(7)
-    reply = raw_request(server.address, {"op": "put", "id": 1, "key": k, "n": len(data), "crc": 12345}, data)
+    reply = raw_request(server.address, {"op": "put", "id": 1, "key": k, "n": len(data), "crc": 12345, "algo": 2}, data)
     assert reply["ok"] is False and reply["err"] == "corrupt" and reply["key"] == k
     assert not server.store.has(k)
 
@@ -317,7 +317,7 @@ def test_malformed_frames_cost_only_their_connection(client: StoreClient, server
             assert s.recv(1 << 16) == b""  # the server hangs up on this connection, and only on it
     reply = raw_request(server.address, {"op": "nope", "id": 3})
     assert reply["err"] == "bad_request"
-    reply = raw_request(server.address, {"op": "put", "id": 4, "key": keys_for(1)[0], "n": 1 << 40, "crc": 0})
+    reply = raw_request(server.address, {"op": "put", "id": 4, "key": keys_for(1)[0], "n": 1 << 40, "crc": 0, "algo": 2})
     assert reply["err"] == "bad_request"
     k = keys_for(1)[0]
     client.put(k, block(8))

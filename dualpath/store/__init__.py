@@ -1,6 +1,7 @@
 """Client side of the 3FS-like KV store (DESIGN.md section 6).
 
 keys: chained prefix keys; striping: key -> server; protocol: wire frames;
+checksum: block checksums (CRC-32C, CRC-32 of older blocks);
 client: put/get_many; readq: a node's pending read bytes; errors: typed errors;
 bench: store read throughput against fio.
 """

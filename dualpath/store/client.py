@@ -3,7 +3,8 @@
 Reads land straight in the caller's buffer: the header of each reply is read
 separately, then the payload is recv_into() the caller's memoryview slice (no
 intermediate copy), and its CRC is checked on a helper thread while the next
-block arrives. Requests are pipelined per server as mget frames (a window of
+block arrives (with the algorithm the server names for the stored block:
+CRC-32C, or CRC-32 for blocks stored before it). Requests are pipelined per server as mget frames (a window of
 outstanding requests, never unbounded, so neither side can block on a full
 socket while the other waits; the server prefetches each frame's blocks), and
 the groups of different servers run in parallel threads.
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import socket
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
+from .checksum import ALGO_NAMES, WRITE_ALGO, checksum, is_known_algo
 from .errors import (
     BadRequestError,
     CorruptBlockError,
@@ -110,23 +111,22 @@ def _corrupt(key: str) -> CorruptBlockError:
 class _CrcChecker:
     """Checks received blocks' CRCs on helper threads while the socket thread keeps receiving.
 
-    The receive copy and the CRC pass are each about half of the client's
-    work; overlapping them puts a second core to use when one is free (it
-    costs nothing when none is). zlib.crc32 releases the GIL on large
-    buffers. Small blocks are grouped into tasks of >= TASK_BYTES so task
-    overhead stays negligible.
+    Overlapping the receive copy with the checksum pass puts a second core to
+    use when one is free (it costs nothing when none is): both checksum
+    implementations release the GIL on large buffers. Small blocks are
+    grouped into tasks of >= TASK_BYTES so task overhead stays negligible.
     """
 
     TASK_BYTES = 1 << 20
 
     def __init__(self, executor: ThreadPoolExecutor) -> None:
         self._executor = executor
-        self._batch: list[tuple[int, memoryview, Any]] = []
+        self._batch: list[tuple[int, memoryview, int, Any]] = []
         self._batch_bytes = 0
         self._futures: list[Future[list[int]]] = []
 
-    def add(self, pos: int, view: memoryview, expected: Any) -> None:
-        self._batch.append((pos, view, expected))
+    def add(self, pos: int, view: memoryview, algo: int, expected: Any) -> None:
+        self._batch.append((pos, view, algo, expected))
         self._batch_bytes += len(view)
         if self._batch_bytes >= self.TASK_BYTES:
             self._submit()
@@ -142,8 +142,8 @@ class _CrcChecker:
         return [p for f in self._futures for p in f.result()]
 
 
-def _bad_crcs(batch: list[tuple[int, memoryview, Any]]) -> list[int]:
-    return [pos for pos, view, expected in batch if zlib.crc32(view) != expected]
+def _bad_crcs(batch: list[tuple[int, memoryview, int, Any]]) -> list[int]:
+    return [pos for pos, view, algo, expected in batch if checksum(view, algo) != expected]
 
 
 def _first_error(errors: dict[int, StoreError], keys: Sequence[str]) -> StoreError:
@@ -283,7 +283,8 @@ class StoreClient:
                 rid = conn.new_id()
                 ids.append(rid)
                 view = views[pos]
-                sock.sendall(pack_frame({"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": zlib.crc32(view)}))
+                head = {"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": checksum(view), "algo": WRITE_ALGO}
+                sock.sendall(pack_frame(head))
                 sock.sendall(view)
             while recvd < len(positions):
                 self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
@@ -386,6 +387,10 @@ class StoreClient:
                 n = reply.get("n")
                 if n != bb:
                     raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
+                algo = reply.get("algo")
+                if not is_known_algo(algo):
+                    # Never read a block unchecked: a v1 server names no algo, a newer one may name one we lack.
+                    raise ProtocolError(f"block {keys[pos]}: reply names checksum algo {algo!r}, known: {ALGO_NAMES}")
                 # Payload straight into the caller's buffer.
                 view, crc, got = views[pos], 0, 0
                 while got < bb:
@@ -393,7 +398,7 @@ class StoreClient:
                     if k == 0:
                         raise ProtocolError(f"connection closed after {got} of {bb} payload bytes")
                     if checker is None:  # inline: CRC each chunk while it is hot in cache
-                        crc = zlib.crc32(view[got : got + k], crc)
+                        crc = checksum(view[got : got + k], algo, crc)
                     got += k
                     outstanding -= k
                     self.read_q.done(k)
@@ -401,7 +406,7 @@ class StoreClient:
                     if crc != reply.get("crc"):
                         errors[pos] = _corrupt(keys[pos])
                 else:
-                    checker.add(pos, view, reply.get("crc"))
+                    checker.add(pos, view, algo, reply.get("crc"))
                 recvd += 1
         except (OSError, StoreError) as exc:
             conn.reset()

@@ -8,7 +8,7 @@ Every message is one frame:
     +----------------+---------------------------+----------------------+
 
 Requests (client -> server), each with a per-connection integer `id`:
-    {"op": "put", "id", "key", "n", "crc"}  + n payload bytes
+    {"op": "put", "id", "key", "n", "crc", "algo"}  + n payload bytes
     {"op": "get", "id", "key"}
     {"op": "mget", "id", "keys": [...]}   # = gets with ids id, id+1, ...;
                                           # lets the server prefetch the batch
@@ -16,14 +16,18 @@ Requests (client -> server), each with a per-connection integer `id`:
     {"op": "delete", "id", "key"}
     {"op": "stat", "id"}
 Replies (server -> client), in request order, echoing `id`:
-    ok:    {"id", "ok": True, ...}; a get reply carries "n" and "crc" and is
-           followed by the n payload bytes, a put reply carries "new"
+    ok:    {"id", "ok": True, ...}; a get reply carries "n", "crc" and "algo"
+           and is followed by the n payload bytes, a put reply carries "new"
     error: {"id", "ok": False, "err": code, "msg": text, "key": key-or-None}
 
 The payload travels raw after the header so the server can sendfile() a block
 file and the client can recv_into() the caller's buffer: no copy through
-Python objects on either side. `crc` is zlib CRC-32 of the payload; the client
-checks it on every read (end to end: disk, server and wire).
+Python objects on either side. `crc` is the payload's checksum and `algo` its
+algorithm (checksum.py: 2 = CRC-32C, 1 = CRC-32 of blocks stored before
+CRC-32C). A put must carry algo 2; a get reply names the algo of the stored
+block, and the client checks it on every read (end to end: disk, server and
+wire). Version 2 added `algo`: a version-1 peer gets a clear error, never a
+block checked with the wrong algorithm.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: checksums name their algorithm ("algo")
 _LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 * 1024  # a header is control only; anything bigger is an attack or a bug
 OPS = ("put", "get", "mget", "has", "delete", "stat")

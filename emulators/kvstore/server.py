@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from dualpath.store.checksum import ALGO_NAMES, WRITE_ALGO
 from dualpath.store.errors import (
     BadRequestError,
     ProtocolError,
@@ -350,13 +351,14 @@ class StoreServer:
             # MSG_MORE: let the header share a segment with the first payload bytes
             # (only when payload follows, or the header would wait for the cork timer).
             flags = socket.MSG_MORE if handle.payload_len else 0
-            conn.sendall(pack_frame({"id": rid, "ok": True, "n": handle.payload_len, "crc": handle.payload_crc}), flags)
+            reply = {"id": rid, "ok": True, "n": handle.payload_len, "crc": handle.payload_crc, "algo": handle.algo}
+            conn.sendall(pack_frame(reply), flags)
             _sendfile_all(conn, handle.fd, handle.payload_offset, handle.payload_len, self.idle_timeout_s)
         finally:
             handle.close()
 
     def _put(self, conn: socket.socket, rid: int, req: dict[str, Any], n: int, drain: bytearray) -> None:
-        key, crc = req.get("key"), req.get("crc")
+        key, crc, algo = req.get("key"), req.get("crc"), req.get("algo")
         if n > self.store.max_block_bytes:
             # Not worth draining; the client gets a reason and a closed connection.
             self._reply_error(conn, rid, BadRequestError(f"block of {n} bytes exceeds max {self.store.max_block_bytes}", key=key if isinstance(key, str) else None))
@@ -366,6 +368,12 @@ class StoreServer:
         try:
             if not isinstance(crc, int):
                 raise BadRequestError("put needs an int crc", key=key if isinstance(key, str) else None)
+            if algo != WRITE_ALGO:
+                # A client of protocol v1 sends a CRC-32 without "algo": storing it would fail every read.
+                raise BadRequestError(
+                    f"put needs algo {WRITE_ALGO} ({ALGO_NAMES[WRITE_ALGO]}), got {algo!r}; client older than store protocol v2?",
+                    key=key if isinstance(key, str) else None,
+                )
             txn = self.store.begin_put(check_key(key), n, crc)
         except StoreError as e:
             err = e

@@ -9,7 +9,8 @@ Crash safety rests on three rules:
   2. Temp names start with TEMP_PREFIX, which no valid key can, so a temp file
      can never be served; startup removes every one left by a crash.
   3. Every read checks the header (magic, key, header CRC, length vs file size);
-     the payload CRC travels to the client, which checks it on every read.
+     the payload checksum and its algorithm travel to the client, which checks
+     it on every read.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import itertools
 import logging
 import os
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualpath.store.checksum import WRITE_ALGO, checksum
 from dualpath.store.errors import (
     BadRequestError,
     CorruptBlockError,
@@ -70,6 +71,7 @@ class BlockHandle:
     fd: int
     payload_len: int
     payload_crc: int
+    algo: int  # of payload_crc: CRC-32C, or CRC-32 for files written before it
     payload_offset: int = HEADER_SIZE
 
     def close(self) -> None:
@@ -183,10 +185,10 @@ class BlockStore:
         """Validate an open block file's header and size; takes ownership of fd."""
         try:
             size = os.fstat(fd).st_size
-            n, crc = decode_header(os.pread(fd, HEADER_SIZE, 0), key)
+            n, algo, crc = decode_header(os.pread(fd, HEADER_SIZE, 0), key)
             if size != HEADER_SIZE + n:
                 raise CorruptBlockError(f"block {key}: file is {size} bytes, header says {HEADER_SIZE + n}", key=key)
-            return BlockHandle(key, fd, n, crc)
+            return BlockHandle(key, fd, n, crc, algo)
         except OSError as exc:
             os.close(fd)
             raise _os_error(exc, "reading", key) from None
@@ -195,20 +197,23 @@ class BlockStore:
             raise
 
     def verify(self, handle: BlockHandle, scratch: memoryview) -> None:
-        """Check the payload CRC on the server (optional: the client always checks)."""
+        """Check the payload checksum on the server (optional: the client always checks)."""
         crc, off, end = 0, handle.payload_offset, handle.payload_offset + handle.payload_len
         while off < end:
             k = os.preadv(handle.fd, [scratch[: min(len(scratch), end - off)]], off)
             if k <= 0:
                 raise CorruptBlockError(f"block {handle.key}: short read", key=handle.key)
-            crc = zlib.crc32(scratch[:k], crc)
+            crc = checksum(scratch[:k], handle.algo, crc)
             off += k
         if crc != handle.payload_crc:
             raise CorruptBlockError(f"block {handle.key}: payload checksum mismatch", key=handle.key)
 
     # ---- writes ----------------------------------------------------------
     def begin_put(self, key: str, payload_len: int, payload_crc: int) -> "PutTxn | None":
-        """A transaction to stream the payload into, or None if the block is already stored."""
+        """A transaction to stream the payload into, or None if the block is already stored.
+
+        `payload_crc` is the payload's WRITE_ALGO (CRC-32C) checksum: new blocks are never CRC-32.
+        """
         check_key(key)
         if not 0 <= payload_len <= self.max_block_bytes:
             raise BadRequestError(f"block size {payload_len} outside [0, {self.max_block_bytes}]", key=key)
@@ -283,7 +288,7 @@ class PutTxn:
         except OSError as exc:
             raise _os_error(exc, "creating temp file for", key) from None
         try:
-            self._write_all(encode_header(key, payload_len, payload_crc))
+            self._write_all(encode_header(key, payload_len, payload_crc, WRITE_ALGO))
         except BaseException:
             self.abort()
             raise
@@ -300,7 +305,7 @@ class PutTxn:
     def write(self, chunk: memoryview) -> None:
         if self.written + len(chunk) > self.payload_len:
             raise BadRequestError(f"block {self.key}: more payload than announced", key=self.key)
-        self._crc = zlib.crc32(chunk, self._crc)
+        self._crc = checksum(chunk, WRITE_ALGO, self._crc)
         self._write_all(chunk)
         self.written += len(chunk)
 
