@@ -4,10 +4,11 @@ The engine calls four methods, the split vLLM's v1 KV connector uses:
 start_load, wait_for_layer, save_layer, wait_for_save. It never knows which
 path feeds it. The implementations:
 
-- LayerwiseConnector(write_hit=True): the PE read path. Hit KV comes from the
-  PE buffer; after each layer the hit and miss KV go to the DE buffer.
-- LayerwiseConnector(write_hit=False): the DE read path. Hit KV comes from the
-  DE buffer (RDMA READ); only the miss KV goes back.
+- LayerwiseConnector: per layer, READ the past KV, compute, WRITE the new KV
+  (and the past rows the DE lacks) to the DE buffer. The plan's reads make it
+  the PE read path (past in the PE buffer, all of it forwarded), the DE read
+  path (past in the DE buffer, only the new KV goes back), a split of the two,
+  or a later chunk of a chunked prefill (past in the DE buffer).
 - BasicConnector: the PE path with every layer loaded up front (not layerwise).
 - OracleConnector: nothing moves (all I/O skipped; the past KV is zeros).
 
@@ -33,14 +34,57 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class PastRead:
+    """Past KV rows [first, first + n) sit in `span`, a request area in Full-Block layout."""
+
+    span: Span
+    first: int
+    n: int
+
+    @classmethod
+    def from_msg(cls, d: dict) -> "PastRead":
+        return cls(Span.from_msg(d["span"]), int(d["first"]), int(d["n"]))
+
+    def to_msg(self) -> dict:
+        return {"span": self.span.to_msg(), "first": self.first, "n": self.n}
+
+
+@dataclass(frozen=True)
 class LoadPlan:
-    """One request's prefill: n_hit tokens of stored KV, n_miss new tokens."""
+    """One prefill pass of a request: n_hit tokens of past KV, n_miss new tokens.
+
+    The past is the stored hits, plus, for a later chunk of a chunked prefill, the
+    tokens earlier passes computed. `reads` say where each part of it is: the PE
+    buffer, the DE buffer, or both (split). The PE also WRITEs past rows
+    [0, forward_past) to `dst`: those it read on its own side, which the DE lacks.
+    """
 
     request: str
     n_hit: int
     n_miss: int
-    src: Span | None  # where the hit KV is (PE buffer or DE buffer)
+    reads: tuple[PastRead, ...]
     dst: Span | None  # the request's area in the DE buffer
+    forward_past: int = 0
+    # CRC32 per layer of past rows [0, n_hit) as an earlier pass wrote them: a layer that
+    # does not match (a WRITE not fully applied yet) is read again, bounded by the timeout
+    past_crcs: tuple[int, ...] | None = None
+    tag: str = ""  # names this pass in its notifications: f"{request}{tag}/L{layer}"
+
+    def __post_init__(self) -> None:
+        covered = sorted((r.first, r.first + r.n) for r in self.reads if r.n)
+        at = 0
+        for a, b in covered:
+            if a != at:
+                break
+            at = b
+        if at != self.n_hit or len(covered) != len([r for r in self.reads if r.n]):
+            raise ValueError(f"request {self.request}: reads {covered} must tile past rows [0, {self.n_hit})")
+        if not 0 <= self.forward_past <= self.n_hit:
+            raise ValueError(f"request {self.request}: forward_past {self.forward_past} outside [0, {self.n_hit}]")
+
+    @property
+    def notif_prefix(self) -> str:
+        return f"{self.request}{self.tag}"
 
 
 @dataclass
@@ -50,8 +94,10 @@ class ConnectorStats:
     read_wait_s: float = 0.0
     peak_hit_bytes: int = 0  # hit KV resident in HBM at once
     layer_hashes: list[str] = field(default_factory=list)  # of the hit KV each layer loaded
-    # CRC32 of the bytes each layer wrote, in token order: the reader checks what landed
+    # CRC32 per layer of rows [0, n_hit + n_miss) in token order, past and new: what the
+    # DE buffer holds once this pass's WRITEs land; the next reader checks it
     write_crcs: list[int] = field(default_factory=list)
+    reread_bytes: int = 0  # past rows read again because an earlier pass's WRITE was late
 
 
 class KVConnector(ABC):
@@ -101,29 +147,52 @@ class KVConnector(ABC):
         self.stats.layer_hashes.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
         return unpack_layer(rows, self.geom)
 
-    def _post_read(self, plan: LoadPlan, layer: int, off: int):
-        assert plan.src is not None
-        descs = token_rows_descs(self.geom, layer, 0, plan.n_hit, off, plan.src.offset)
-        self.stats.read_bytes += int(descs[:, 2].sum())
-        return self.agent.post("READ", plan.src.peer, "hbm", plan.src.region, descs, layer=layer)
+    def _post_read(self, plan: LoadPlan, layer: int, off: int) -> list:
+        """READ layer `layer` of the past into HBM at `off`: one descriptor list per source."""
+        bpt = self.geom.bytes_per_token_per_layer
+        xfers = []
+        for r in plan.reads:
+            if not r.n:
+                continue
+            descs = token_rows_descs(self.geom, layer, r.first, r.n, off + r.first * bpt, r.span.offset)
+            self.stats.read_bytes += int(descs[:, 2].sum())
+            xfers.append(self.agent.post("READ", r.span.peer, "hbm", r.span.region, descs, layer=layer))
+        return xfers
 
-    def _wait(self, xfer) -> None:
+    def _wait(self, xfers: list) -> None:
         t0 = time.perf_counter()
-        xfer.wait(self.timeout_s)
+        for x in xfers:
+            x.wait(self.timeout_s)
         self.stats.read_wait_s += time.perf_counter() - t0
+
+    def _until_intact(self, plan: LoadPlan, layer: int, off: int) -> None:
+        """Re-read a layer's past until its CRC is what the earlier pass wrote.
+
+        Over UCX's TCP transport a WRITE's completion, and even its notification, can reach
+        the target before all its bytes are applied there. A READ's completion is final, so
+        the reader checks and reads again.
+        """
+        if plan.past_crcs is None:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while zlib.crc32(self._rows(off, plan.n_hit).numpy()) != plan.past_crcs[layer]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"request {plan.request}: layer {layer} of its past KV never landed intact "
+                                   f"in the DE buffer; the data plane lost or corrupted bytes")
+            time.sleep(0.002)
+            before = self.stats.read_bytes
+            self._wait(self._post_read(plan, layer, off))
+            self.stats.reread_bytes += self.stats.read_bytes - before
+            self.stats.read_bytes = before
 
 
 class LayerwiseConnector(KVConnector):
-    """Per layer: READ hit KV (prefetching the next layer), compute, hand the KV to the DE buffer."""
-
-    def __init__(self, *args, write_hit: bool, **kw):
-        super().__init__(*args, **kw)
-        self.write_hit = write_hit
+    """Per layer: READ the past KV (prefetching the next layer), compute, hand the KV to the DE buffer."""
 
     def start_load(self, plan: LoadPlan) -> None:
         self.plan = plan
-        self.slots: dict[int, tuple[int, object]] = {}  # layer -> (hbm offset, read transfer)
-        # (hbm offset, write transfer, hit bytes if it is a hit slot): freed once the WRITE is done
+        self.slots: dict[int, tuple[int, list]] = {}  # layer -> (hbm offset, read transfers)
+        # (hbm offset, write transfer, past bytes if it is a past slot): freed once the WRITE is done
         self.writes: list[tuple[int, object, int | None]] = []
         self.n_hit_bytes = self._layer_bytes(plan.n_hit)
         if plan.n_hit:
@@ -139,8 +208,9 @@ class LayerwiseConnector(KVConnector):
         if not self.plan.n_hit:
             return None
         self._prefetch(layer)
-        off, xfer = self.slots[layer]
-        self._wait(xfer)
+        off, xfers = self.slots[layer]
+        self._wait(xfers)
+        self._until_intact(self.plan, layer, off)
         # Earlier layers must have left HBM before the next one comes in: at most this layer
         # and the prefetched one are resident (the paper's "about one layer per batch").
         self._reap_writes(block=True)
@@ -155,19 +225,20 @@ class LayerwiseConnector(KVConnector):
         parts = [token_rows_descs(g, layer, p.n_hit, p.n_miss, miss_off, p.dst.offset)]
         slot = self.slots.pop(layer, None)
         crc = 0
-        if self.write_hit and slot is not None:
-            parts.insert(0, token_rows_descs(g, layer, 0, p.n_hit, slot[0], p.dst.offset))
+        if slot is not None:
             crc = zlib.crc32(self._rows(slot[0], p.n_hit).numpy())
+            if p.forward_past:
+                parts.insert(0, token_rows_descs(g, layer, 0, p.forward_past, slot[0], p.dst.offset))
         self.stats.write_crcs.append(zlib.crc32(self._rows(miss_off, p.n_miss).numpy(), crc))
         descs = np.concatenate(parts)
         self.stats.written_bytes += int(descs[:, 2].sum())
         # One descriptor list per layer, one request. The notification lets the DE side know
         # the layer has landed (DONE here only means our buffer may be reused).
         xfer = self.agent.post("WRITE", p.dst.peer, "hbm", p.dst.region, descs, layer=layer,
-                               notif=f"{p.request}/L{layer}")
+                               notif=f"{p.notif_prefix}/L{layer}")
         self.writes.append((miss_off, xfer, None))
         if slot is not None:
-            if self.write_hit:  # the hit rows leave from the slot: free it once the WRITE is done
+            if p.forward_past:  # past rows leave from the slot: free it once the WRITE is done
                 self.writes.append((slot[0], xfer, self.n_hit_bytes))
             else:
                 self._free_hit(slot[0], self.n_hit_bytes)
@@ -188,8 +259,9 @@ class LayerwiseConnector(KVConnector):
 
     def wait_for_save(self) -> None:
         self._reap_writes(block=True)
-        for off, xfer in self.slots.values():  # only if a layer was never saved (error paths)
-            xfer.wait(self.timeout_s)
+        for off, xfers in self.slots.values():  # only if a layer was never saved (error paths)
+            for x in xfers:
+                x.wait(self.timeout_s)
             self._free_hit(off, self.n_hit_bytes)
         self.slots.clear()
 
@@ -197,15 +269,13 @@ class LayerwiseConnector(KVConnector):
 class BasicConnector(LayerwiseConnector):
     """The PE path, not layerwise: every layer's hit KV is in HBM before layer 0 runs."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, write_hit=True, **kw)
-
     def start_load(self, plan: LoadPlan) -> None:
         super().start_load(plan)
         for layer in range(self.geom.n_layer):
             self._prefetch(layer)
-        for off, xfer in self.slots.values():
-            self._wait(xfer)
+        for layer, (off, xfers) in self.slots.items():
+            self._wait(xfers)
+            self._until_intact(plan, layer, off)
 
 
 class OracleConnector(KVConnector):

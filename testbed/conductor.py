@@ -1,31 +1,37 @@
 """The conductor: drives trajectories through the cluster in one mode, request by request.
 
-Per request (DESIGN.md section 7): find the stored prefix (hit blocks), pick a
-prefill engine, a decode engine and a read path, read the hit Full Blocks into
-that path's DRAM buffer, run layerwise prefill on the PE (which reads hit KV
-and writes KV to the DE buffer through its connector), decode on the DE, and
-persist the newly filled Full Blocks. Trajectories run concurrently; each
-process serves one command at a time, so queues form where a real cluster's
-would.
+Per request (DESIGN.md section 7): find the stored prefix (hit blocks), ask the
+router for a prefill engine, a decode engine and a read path, read the hit Full
+Blocks into that path's DRAM buffer (or part into each, split), run layerwise
+prefill on the PE (which reads the past KV and writes KV to the DE buffer
+through its connector), decode on the DE, and persist the newly filled Full
+Blocks. Trajectories run concurrently; each process serves one command at a
+time, so queues form where a real cluster's would.
+
+Prefill goes through a per-PE queue. With a cost model, each forward pass is
+packed under the compute quota and the request that would overflow it is
+chunked (dualpath.scheduler.batching); a later chunk reads its past, hits and
+earlier chunks, back from the DE buffer.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from dualpath.buffers import ByteAllocator, OutOfSpace
 from dualpath.control import ControlError
+from dualpath.kv_connector import PastRead
 from dualpath.kv_spans import Span, kv_bytes
 from dualpath.layouts import BlockGeometry
+from dualpath.scheduler.batching import BatchEntry, PrefillItem, pack_batch
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
+from testbed.routing import RoundRobinRouter, Route, Router
 
-MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "oracle")
-PATHS = ("pe", "de")
+MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "dualpath-split", "oracle")
 
 
 @dataclass
@@ -34,7 +40,7 @@ class RequestRecord:
     trajectory: int
     turn: int
     mode: str
-    path: str  # "pe", "de" or "none" (oracle)
+    path: str  # "pe", "de", "split" or "none" (oracle)
     pe: str = ""
     de: str = ""
     pe_node: str = ""
@@ -46,6 +52,9 @@ class RequestRecord:
     hit_bytes: int = 0  # H
     miss_bytes: int = 0  # M
     writeback_bytes: int = 0  # W
+    pe_hit_bytes: int = 0  # of H, read on the PE side (all of it on the PE path, part when split)
+    passes: int = 0  # prefill passes: more than one when the request was chunked
+    chunk_read_bytes: int = 0  # past KV later chunks read back from the DE buffer
     prompt: list[int] = field(default_factory=list, repr=False)
     tokens: list[int] = field(default_factory=list)
     pe_layer_hashes: list[str] = field(default_factory=list, repr=False)
@@ -68,43 +77,80 @@ class RequestRecord:
         return d
 
 
-class PathChooser:
-    """Which side reads a request's hit KV when no scheduler decides: fixed per mode, or
-    alternating."""
+@dataclass
+class PrefillJob:
+    """A request's prefill, pass by pass: what the next pass reads and what the passes returned."""
 
-    def __init__(self, mode: str):
-        self.mode = mode
-        self._alt = itertools.cycle(PATHS)
+    rec: RequestRecord
+    prompt: list[int]
+    mode: str  # the connector: "basic", "layerwise" or "oracle"
+    first_reads: tuple[PastRead, ...]
+    forward_past: int
+    dst: Span | None
+    fut: asyncio.Future
+    cached: int = 0  # past tokens: hits, then also the chunks done
+    crcs: list[int] | None = None  # per layer, of rows [0, cached) as the last pass wrote them
+    tags: list[str] = field(default_factory=list)
+    first_token: int = -1
 
-    def __call__(self) -> str:
-        if self.mode == "oracle":
-            return "none"
-        return next(self._alt) if self.mode.startswith("dualpath") else "pe"
+    @property
+    def new(self) -> int:
+        return len(self.prompt) - self.cached
+
+    def item(self) -> PrefillItem:
+        return PrefillItem(self.rec.request, self.cached, self.new)
+
+    def next_pass(self, n_new: int) -> dict:
+        """The prefill_batch entry of this job's next pass. A later chunk reads its whole past
+        from the DE buffer: the hits are there (read or forwarded) and so are earlier chunks."""
+        first = not self.tags
+        tag = f"/c{len(self.tags)}"
+        self.tags.append(tag)
+        reads = self.first_reads if first else (PastRead(self.dst, 0, self.cached),)
+        return dict(request=self.rec.request, tokens=self.prompt[self.cached:self.cached + n_new],
+                    n_hit=self.cached, mode=self.mode, reads=[r.to_msg() for r in reads],
+                    forward_past=self.forward_past if first else 0,
+                    past_crcs=None if first else self.crcs, tag=tag,
+                    last=self.cached + n_new == len(self.prompt),
+                    dst=self.dst.to_msg() if self.dst else None)
+
+    def absorb(self, res: dict, n_new: int, geom: BlockGeometry) -> None:
+        r = self.rec
+        if len(self.tags) == 1:  # the first pass loaded the stored hits: what verification checks
+            r.pe_layer_hashes, r.peak_hit_bytes = res["layer_hashes"], res["peak_hit_bytes"]
+        else:
+            r.chunk_read_bytes += kv_bytes(geom, self.cached)
+        r.chunk_read_bytes += res.get("reread_bytes", 0)
+        r.read_wait_s += res["read_wait_s"]
+        r.attention_s += res["compute_s"]
+        r.passes += 1
+        self.crcs = res["write_crcs"]
+        self.cached += n_new
+        self.first_token = res["first_token"]
 
 
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes,
                  request_timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None, policy=None,
+                 on_record: Callable[[RequestRecord], None] | None = None, router: Router | None = None,
                  cost_model=None, quota_s: float = 0.3):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
-        self.choose_path = PathChooser(mode)
         self.timeout_s = request_timeout_s
         self.on_record = on_record or (lambda r: None)
         self.stored: set[str] = set()
         self.buffers = {n: ByteAllocator(cluster.buffer_bytes, f"{n} DRAM buffer", align=64)
                         for n, p in cluster.procs.items() if p.role == "host"}
         self._space = asyncio.Condition()
-        self._pe = itertools.cycle(cluster.engines("prefill"))
-        self._de = itertools.cycle(cluster.engines("decode"))
-        self.policy = policy  # a dualpath.scheduler.live.LivePolicy, for the dualpath modes
-        # With a cost model, PEs run quota-packed batches (the paper's intra-engine scheduling).
+        self.router = router or RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
+                                                 "none" if mode == "oracle" else "pe")
+        # With a cost model, PEs run quota-packed, chunked passes (the paper's intra-engine
+        # scheduling); without one, each pass is one whole request.
         self.cost_model, self.quota_s = cost_model, quota_s
-        self._pe_waiting: dict[str, list] = {}
+        self._pe_waiting: dict[str, list[PrefillJob]] = {}
         self._batchers: dict[str, asyncio.Future] = {}
-        self.batches: list[dict] = []  # one per forward batch: engine, times, attention seconds
+        self.batches: list[dict] = []  # one per forward pass: engine, times, attention seconds
         self.t0 = time.monotonic()
 
     # -- buffers -------------------------------------------------------------------------------
@@ -146,64 +192,42 @@ class Conductor:
         rec.n_miss = len(prompt) - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = kv_bytes(g, rec.n_hit), kv_bytes(g, rec.n_miss)
         sreq = Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive)
-        if self.policy is not None:
-            deadline = time.monotonic() + self.timeout_s
-            while (choice := self.policy.choose(sreq)) is None:  # every PE overloaded: wait (FIFO)
-                if time.monotonic() > deadline:
-                    rec.error = "no engine admitted the request in time"
-                    self.on_record(rec)
-                    return rec
-                await asyncio.sleep(0.005)
-            rec.pe, rec.de, path = choice
-            rec.path = path.value
-        else:
-            rec.path = self.choose_path()
-            rec.pe, rec.de = next(self._pe), next(self._de)
+        route = await self.router.route(sreq, n_hit_blocks, self.timeout_s)
+        if route is None:
+            rec.error = "no engine admitted the request in time"
+            rec.t_done = self._now()
+            self.on_record(rec)
+            return rec
+        rec.pe, rec.de, rec.path = route.pe, route.de, route.path
         rec.pe_node, rec.de_node = c.host_of(rec.pe), c.host_of(rec.de)
+        pe_blocks = route.pe_blocks if n_hit_blocks else 0
+        rec.pe_hit_bytes = kv_bytes(g, pe_blocks * bs)
         oracle = self.mode == "oracle"
         n_blocks = g.blocks_spanned(len(prompt))  # the area holds the partial tail block too
         n_wb = (len(prompt) + gen_len - 1) // bs - n_hit_blocks
         de_off = pe_off = wb_off = None
         prefill_counted = False
         try:
-            src = None
+            reads: tuple[PastRead, ...] = ()
+            dst = None
             if not oracle:
                 de_off = await self._alloc(rec.de_node, n_blocks * fb)
                 dst = Span(rec.de_node, "buf", de_off)
-                src_node = rec.pe_node if rec.path == "pe" else rec.de_node
-                if n_hit_blocks:
-                    if rec.path == "pe":
-                        pe_off = await self._alloc(rec.pe_node, n_hit_blocks * fb)
-                        src = Span(rec.pe_node, "buf", pe_off)
-                    else:
-                        src = dst  # the DE path reads into the request's own area of the DE buffer
-                    if self.policy is not None:
-                        self.policy.read_queued(src_node, n_hit_blocks * fb)
-                    try:
-                        rec.t_read_start = self._now()
-                        await c.clients[src_node].call("load", keys=keys[:n_hit_blocks], offset=src.offset,
-                                                       timeout_s=self.timeout_s)
-                        rec.t_read_end = self._now()
-                    finally:
-                        if self.policy is not None:
-                            self.policy.read_done(src_node, n_hit_blocks * fb)
+                if pe_blocks:
+                    pe_off = await self._alloc(rec.pe_node, pe_blocks * fb)
+                reads = await self._read_hits(rec, keys, pe_blocks, n_hit_blocks, pe_off, dst)
             rec.t_prefill_start = self._now()
-            pre = await self._prefill(rec.pe, dict(
-                request=rec.request, tokens=prompt[rec.n_hit:], n_hit=rec.n_hit,
-                mode=("oracle" if oracle else "basic" if self.mode == "basic" else "layerwise"),
-                write=("all" if rec.path == "pe" else "miss"),
-                src=src.to_msg() if src else None, dst=None if oracle else dst.to_msg()))
+            job = await self._prefill(rec.pe, PrefillJob(
+                rec, prompt, "oracle" if oracle else "basic" if self.mode == "basic" else "layerwise",
+                reads, pe_blocks * bs, dst, asyncio.get_running_loop().create_future(), cached=rec.n_hit))
             rec.t_first_token = self._now()
-            rec.attention_s = pre["compute_s"]
-            if self.policy is not None:  # tok_e counts unfinished prefill work only
-                self.policy.prefill_done(rec.pe, sreq)
-                prefill_counted = True
+            self.router.prefill_done(rec.pe, sreq)  # tok_e counts unfinished prefill work only
+            prefill_counted = True
             if not oracle:  # the notifications follow the PE's WRITEs: then the layers have landed
                 await c.clients[rec.de_node].call(
-                    "wait_notifs", peer=rec.pe, msgs=[f"{rec.request}/L{l}" for l in range(g.n_layer)],
+                    "wait_notifs", peer=rec.pe,
+                    msgs=[f"{rec.request}{t}/L{l}" for t in job.tags for l in range(g.n_layer)],
                     timeout_s=self.timeout_s)
-            rec.pe_layer_hashes, rec.peak_hit_bytes = pre["layer_hashes"], pre["peak_hit_bytes"]
-            rec.read_wait_s = pre["read_wait_s"]
             await self._free(rec.pe_node, pe_off)
             pe_off = None
             wb = None
@@ -211,10 +235,10 @@ class Conductor:
                 wb_off = await self._alloc(rec.de_node, n_wb * fb)
                 wb = Span(rec.de_node, "buf", wb_off)
             dec = await c.clients[rec.de].call(
-                "decode", request=rec.request, n_prompt=len(prompt), first_token=pre["first_token"],
+                "decode", request=rec.request, n_prompt=len(prompt), first_token=job.first_token,
                 gen_len=gen_len, src=None if oracle else dst.to_msg(), wb=wb.to_msg() if wb else None,
-                first_new_block=n_hit_blocks, expect_crcs=None if oracle else pre["write_crcs"],
-                crc_from=0 if rec.path == "pe" else rec.n_hit, timeout_s=self.timeout_s)
+                first_new_block=n_hit_blocks, expect_crcs=None if oracle else job.crcs,
+                timeout_s=self.timeout_s)
             rec.reread_bytes = dec["reread_bytes"]
             rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
             await self._free(rec.de_node, de_off)
@@ -237,54 +261,85 @@ class Conductor:
             rec.error = str(e)
             rec.t_done = self._now()
         finally:
-            if self.policy is not None:
-                if not prefill_counted:
-                    self.policy.prefill_done(rec.pe, sreq)
-                self.policy.decode_done(rec.de, sreq)
+            if not prefill_counted:
+                self.router.prefill_done(rec.pe, sreq)
+            self.router.decode_done(rec.de, sreq)
             for node, off in ((rec.pe_node, pe_off), (rec.de_node, de_off), (rec.de_node, wb_off)):
                 await self._free(node, off)
         self.on_record(rec)
         return rec
 
+    async def _read_hits(self, rec: RequestRecord, keys: list[str], pe_blocks: int, n_hit_blocks: int,
+                         pe_off: int | None, dst: Span) -> tuple[PastRead, ...]:
+        """Read the hit Full Blocks from the store, blocks [0, pe_blocks) into the PE buffer and
+        the rest into the request's area of the DE buffer, both sides at once; returns where the
+        past KV now is."""
+        bs, fb = self.geom.block_size, self.geom.full_block_bytes
+        loads, reads = [], []
+        if pe_blocks:
+            reads.append(PastRead(Span(rec.pe_node, "buf", pe_off), 0, pe_blocks * bs))
+            loads.append((rec.pe_node, keys[:pe_blocks], pe_off))
+        if n_hit_blocks > pe_blocks:
+            reads.append(PastRead(dst, pe_blocks * bs, (n_hit_blocks - pe_blocks) * bs))
+            loads.append((rec.de_node, keys[pe_blocks:n_hit_blocks], dst.offset + pe_blocks * fb))
+
+        async def load(node: str, ks: list[str], offset: int) -> None:
+            self.router.read_started(node, len(ks) * fb)
+            try:
+                await self.c.clients[node].call("load", keys=ks, offset=offset, timeout_s=self.timeout_s)
+            finally:
+                self.router.read_done(node, len(ks) * fb)
+
+        if loads:
+            rec.t_read_start = self._now()
+            await asyncio.gather(*(load(*x) for x in loads))
+            rec.t_read_end = self._now()
+        return tuple(reads)
+
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
     # -- intra-engine batching -----------------------------------------------------------------
-    async def _prefill(self, pe: str, args: dict) -> dict:
-        """Prefill one request: alone, or (with a cost model) in the PE's next quota-sized batch."""
-        if self.cost_model is None:
-            return await self.c.clients[pe].call("prefill", timeout_s=self.timeout_s, **args)
-        fut = asyncio.get_running_loop().create_future()
-        self._pe_waiting.setdefault(pe, []).append((args, fut))
+    async def _prefill(self, pe: str, job: PrefillJob) -> PrefillJob:
+        """Queue the job on its PE; returns once its last pass is done."""
+        self._pe_waiting.setdefault(pe, []).append(job)
         if pe not in self._batchers:
             self._batchers[pe] = asyncio.ensure_future(self._batcher(pe))
-        return await fut
+        return await job.fut
+
+    def _pack(self, waiting: list[PrefillJob]) -> tuple[list[BatchEntry], float]:
+        if self.cost_model is None:  # one whole request per pass
+            head = waiting[0]
+            return [BatchEntry(head.rec.request, head.cached, head.new, True)], 0.0
+        batch = pack_batch([j.item() for j in waiting], self.cost_model, self.quota_s)
+        return list(batch.entries), batch.predicted_s
 
     async def _batcher(self, pe: str) -> None:
-        """Packs the PE's waiting requests into forward batches under the compute quota."""
+        """Runs the PE's forward passes while it has waiting work, FIFO."""
         waiting = self._pe_waiting[pe]
         while waiting:
-            await asyncio.sleep(0)  # requests arriving in this same instant join the batch
-            batch, used = [], self.cost_model.intercept
-            while waiting:
-                args, fut = waiting[0]
-                cost = self.cost_model.request_cost(args["n_hit"], len(args["tokens"]))
-                if batch and used + cost > self.quota_s:
-                    break  # full: the rest waits for the next forward
-                batch.append(waiting.pop(0))
-                used += cost
+            await asyncio.sleep(0)  # requests arriving in this same instant join the pass
+            entries, predicted = self._pack(waiting)
+            jobs = waiting[:len(entries)]
+            # Loaded: work is left over for the next pass (the quota, not the queue, ended this one).
+            loaded = len(waiting) > len(entries) or not entries[-1].last
+            msgs = [j.next_pass(e.new) for j, e in zip(jobs, entries)]
             t0 = self._now()
             try:
-                rep = await self.c.clients[pe].call("prefill_batch", requests=[a for a, _ in batch],
-                                                    timeout_s=self.timeout_s)
+                rep = await self.c.clients[pe].call("prefill_batch", requests=msgs, timeout_s=self.timeout_s)
             except ControlError as e:
-                for _, fut in batch:
-                    fut.set_exception(e)
+                for j in jobs:
+                    waiting.remove(j)
+                    j.fut.set_exception(e)
                 continue
-            self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(batch),
-                                 "attention_s": rep["attention_s"], "predicted_s": used})
-            for (_, fut), res in zip(batch, rep["results"]):
-                fut.set_result(res)
+            self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(entries),
+                                 "chunked": not entries[-1].last, "loaded": loaded,
+                                 "attention_s": rep["attention_s"], "predicted_s": predicted})
+            for j, e, res in zip(jobs, entries, rep["results"]):
+                j.absorb(res, e.new, self.geom)
+                if e.last:
+                    waiting.remove(j)
+                    j.fut.set_result(j)
         del self._batchers[pe]
 
     # -- trajectories --------------------------------------------------------------------------

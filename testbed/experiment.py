@@ -65,17 +65,21 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
     async def go() -> tuple[float, RequestRecord, int, Conductor]:
-        policy = _policy(cluster, fab, geom, mode)
-        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, policy=policy,
-                       cost_model=cluster.cost_model if policy is not None else None)
+        router = _router(cluster, fab, geom, mode)
+        await router.start()
+        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, router=router,
+                       cost_model=cluster.cost_model if mode.startswith("dualpath") else None)
         sent0 = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values())
-        warm = await co.warm(workload.system_prompt)
-        if warm.error:
-            raise RuntimeError(f"warm-up failed: {warm.error}")
-        t0 = co._now()
-        per = await asyncio.gather(*[
-            co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns])
-            for t in workload.trajectories])
+        try:
+            warm = await co.warm(workload.system_prompt)
+            if warm.error:
+                raise RuntimeError(f"warm-up failed: {warm.error}")
+            t0 = co._now()
+            per = await asyncio.gather(*[
+                co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns])
+                for t in workload.trajectories])
+        finally:
+            await router.stop()
         for p in per:
             recs.extend(p)
         jct = max(r.t_done for r in recs) - t0
@@ -95,26 +99,40 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     return res
 
 
-def _policy(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str):
-    """The scheduler for the dualpath modes: Algorithm 1 + DE phase 2 + shorter read queue
-    ("dualpath"), or round-robin engines and paths ("dualpath-rr")."""
-    if mode not in ("dualpath", "dualpath-rr"):
-        return None
-    from dualpath.scheduler.live import LivePolicy
+def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str):
+    """Who decides for the dualpath modes. dualpath and dualpath-split: the scheduler service,
+    pulled by the engine group leaders (Algorithm 1, DE phases 1-2, then the shorter read queue
+    or a split). dualpath-rr: round-robin engines and paths, the ablation's baseline."""
+    from testbed.routing import RoundRobinRouter
+
+    if not mode.startswith("dualpath"):
+        return RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
+                                "none" if mode == "oracle" else "pe")
     from dualpath.scheduler.thresholds import Profile
 
     kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
     profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8, prefill_tokens_per_s=cluster.prefill_tokens_per_s,
                       kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
-    pairs = {r: [(e, cluster.host_of(e)) for e in cluster.engines(r)] for r in ("prefill", "decode")}
-    return LivePolicy(pairs["prefill"], pairs["decode"], profile, cluster.hbm_bytes // kv_per_token,
-                      policy="scheduled" if mode == "dualpath" else "rr")
+    if mode == "dualpath-rr":
+        from dualpath.scheduler.live import LivePolicy
+        from testbed.routing import PolicyRouter
+
+        pairs = {r: [(e, cluster.host_of(e)) for e in cluster.engines(r)] for r in ("prefill", "decode")}
+        return PolicyRouter(LivePolicy(pairs["prefill"], pairs["decode"], profile,
+                                       cluster.hbm_bytes // kv_per_token, policy="rr"))
+    from dualpath.scheduler.core import Scheduler
+    from testbed.cluster import CONDUCTOR_IP
+    from testbed.scheduling import ServiceRouter
+
+    return ServiceRouter(cluster, Scheduler(profile, path_policy="split" if mode == "dualpath-split" else "shorter"),
+                         CONDUCTOR_IP)
 
 
 def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
     path = "oracle" if mode == "oracle" else r.path
     return RequestBytes(path, r.hit_bytes, r.miss_bytes, r.writeback_bytes, r.pe_node, r.de_node,
-                        pe_engine=r.pe, de_engine=r.de)
+                        pe_engine=r.pe, de_engine=r.de, h_pe=r.pe_hit_bytes if path == "split" else None,
+                        R=r.chunk_read_bytes)
 
 
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
@@ -186,7 +204,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         out["modes"][res.mode] = {
             "requests": len(res.records), "errors": len(res.records) - len(ok),
             "jct_s": round(res.jct_s, 3), "hit_rate": round(hit / prompt, 4) if prompt else 0,
-            "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "none")},
+            "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
             "verification": res.verdicts,
             "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
                                           "mean": round(sum(peaks) / len(peaks), 2) if peaks else 0},

@@ -12,6 +12,7 @@ import time
 import zlib
 
 from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
+from dualpath.agents.leader import serve_state
 from dualpath.control import RpcServer
 from dualpath.store.client import StoreClient
 
@@ -62,6 +63,9 @@ def main() -> None:
     def contains(keys: list[str]) -> dict:
         return {"present": store.contains(keys)}
 
+    # The node's read queue, for the group leaders' reports: served beside the control
+    # socket, which is busy for the whole of a long load.
+    serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": store.pending_read_bytes}})
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                        {**wiring_handlers(agent), "load": load, "flush": flush, "wait_notifs": wait_notifs,
                         "contains": contains})

@@ -29,15 +29,14 @@ class DecodeOutcome:
 
 def decode(request: str, model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
            n_prompt: int, first_token: int, gen_len: int, src: Span | None, wb: Span | None,
-           first_new_block: int, expect_crcs: list[int] | None = None, crc_from: int = 0,
-           timeout_s: float = 60.0) -> DecodeOutcome:
+           first_new_block: int, expect_crcs: list[int] | None = None, timeout_s: float = 60.0) -> DecodeOutcome:
     """Load the prompt's KV from the DE buffer, decode gen_len tokens, write back full blocks.
 
     `first_token` came from prefill. Every Full Block from `first_new_block` on is
     written (D2H) to `wb` as soon as it fills; the host agent persists them.
     `src is None` is the oracle: nothing moves and the prompt KV is zeros.
-    `expect_crcs[l]` is the CRC32 of layer l's rows from token `crc_from` on, as the PE wrote
-    them: rows that do not match yet are read again until they do (bounded by timeout_s).
+    `expect_crcs[l]` is the CRC32 of layer l's rows, as the PE read and wrote them: a layer
+    that does not match yet is read again until it does (bounded by timeout_s).
     """
     t0 = time.perf_counter()
     out = DecodeOutcome(tokens=[first_token], written_blocks=[])
@@ -51,7 +50,7 @@ def decode(request: str, model: Transformer, agent, hbm: np.ndarray, alloc: Byte
             agent.post("READ", src.peer, "hbm", src.region, descs, layer="all").wait(timeout_s)
             out.read_bytes = int(descs[:, 2].sum())
             if expect_crcs is not None:
-                _until_landed(agent, hbm, geom, src, off, n_prompt, crc_from, expect_crcs, out, timeout_s)
+                _until_landed(agent, hbm, geom, src, off, n_prompt, expect_crcs, out, timeout_s)
         kv = []
         for l in range(L):
             rows = torch.from_numpy(hbm[off + l * layer_bytes: off + (l + 1) * layer_bytes]).view(n_prompt, bpt)
@@ -113,7 +112,7 @@ def _write_full(request: str, agent, geom: BlockGeometry, kv, n_kv: int, first_b
 
 
 def _until_landed(agent, hbm: np.ndarray, geom: BlockGeometry, src: Span, off: int, n_prompt: int,
-                  crc_from: int, expect: list[int], out: DecodeOutcome, timeout_s: float) -> None:
+                  expect: list[int], out: DecodeOutcome, timeout_s: float) -> None:
     """Re-read the rows the PE wrote until their CRC matches what it sent.
 
     Over UCX's TCP transport a WRITE's completion (and even its notification)
@@ -123,18 +122,17 @@ def _until_landed(agent, hbm: np.ndarray, geom: BlockGeometry, src: Span, off: i
     """
     bpt = geom.bytes_per_token_per_layer
     layer_bytes = n_prompt * bpt
-    n = n_prompt - crc_from
     deadline = time.monotonic() + timeout_s
     while True:
         late = [l for l in range(geom.n_layer)
-                if zlib.crc32(hbm[off + l * layer_bytes + crc_from * bpt: off + (l + 1) * layer_bytes]) != expect[l]]
+                if zlib.crc32(hbm[off + l * layer_bytes: off + (l + 1) * layer_bytes]) != expect[l]]
         if not late:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"KV from the PE never landed intact in {src.peer} (layers {late}); "
                                f"the data plane lost or corrupted bytes")
         time.sleep(0.002)
-        descs = np.concatenate([token_rows_descs(geom, l, crc_from, n, off + l * layer_bytes + crc_from * bpt,
+        descs = np.concatenate([token_rows_descs(geom, l, 0, n_prompt, off + l * layer_bytes,
                                                  src.offset) for l in late])
         agent.post("READ", src.peer, "hbm", src.region, descs, layer="reread").wait(timeout_s)
         out.reread_bytes += int(descs[:, 2].sum())

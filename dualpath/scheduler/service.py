@@ -11,12 +11,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from .core import Scheduler
+from .records import Assignment
 from .messages import (
     AssignmentMsg, BadMessage, EngineReportMsg, PingMsg, PullMsg, RequestMsg, StatsMsg, SubmitMsg,
     assignment_to_dict, error_reply, pack, parse, unpack_map,
@@ -29,9 +30,13 @@ MAX_MSG_BYTES = 8 << 20  # zmq drops bigger messages before they reach Python
 
 class SchedulerService:
     def __init__(self, scheduler: Scheduler, endpoint: str = "tcp://127.0.0.1:*",
-                 context: zmq.Context | None = None) -> None:
-        """Binds at once; `endpoint` may end in ":*" for an OS-chosen port, see `.endpoint`."""
+                 context: zmq.Context | None = None,
+                 on_pull: Callable[[str, list[Assignment]], None] | None = None) -> None:
+        """Binds at once; `endpoint` may end in ":*" for an OS-chosen port, see `.endpoint`.
+        `on_pull(group, assignments)` sees what each pull handed out (a frontend waiting for
+        its requests' decisions), from the serving thread."""
         self.scheduler = scheduler
+        self.on_pull = on_pull
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -88,6 +93,8 @@ class SchedulerService:
         for rep in msg.reports:
             s.on_report(rep.to_record())
         out = s.pull(msg.group_id)
+        if self.on_pull is not None and out:
+            self.on_pull(msg.group_id, out)
         return {"type": "assignments", "msg_id": msg.msg_id, "assignments": [assignment_to_dict(a) for a in out]}
 
     # -------------------------------------------------------------- socket loop

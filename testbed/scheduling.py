@@ -1,0 +1,110 @@
+"""The live scheduler: the ZeroMQ service on the conductor's address, pulled by engine group leaders.
+
+`ServiceRouter` is the conductor's side. It runs the service (dualpath.scheduler.service) in a
+thread on the compute bridge, submits each request to it as a frontend would, and learns the
+decision when a DE group leader's pull produced it, then that the PE's leader has pulled it too:
+only then may the PE be given the request's prefill. It makes no decision itself.
+
+Groups: the prefill engines form one group (one data-parallel attention group, whose forward
+passes the compute quota keeps even); each decode node's engines form one group, so DE phase 1
+balances across nodes. A group's first engine leads it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dualpath.agents.leader import state_port
+from dualpath.scheduler.core import Scheduler
+from dualpath.scheduler.messages import RequestMsg
+from dualpath.scheduler.records import Assignment, Request
+from dualpath.scheduler.service import SchedulerClient, SchedulerService
+from testbed.cluster import CONTROL_PORT, Cluster
+from testbed.routing import Route, Router
+
+SERVICE_MAX_S = 6 * 3600  # the serving loop's own bound; a run stops it long before
+
+
+def groups_of(cluster: Cluster) -> dict[str, list[str]]:
+    """Group id -> its engines, leader first."""
+    out: dict[str, list[str]] = {"pe": cluster.engines("prefill")}
+    for de in cluster.engines("decode"):
+        out.setdefault(f"de-{cluster.host_of(de)}", []).append(de)
+    return out
+
+
+class ServiceRouter(Router):
+    def __init__(self, cluster: Cluster, scheduler: Scheduler, bind_ip: str,
+                 interval_s: float = 0.02) -> None:
+        self.c, self.interval_s = cluster, interval_s
+        self.loop = cluster.loop
+        self.groups = groups_of(cluster)
+        self._roles = {g: ("prefill" if g == "pe" else "decode") for g in self.groups}
+        self._decided: dict[str, asyncio.Future] = {}
+        self._delivered: dict[str, asyncio.Future] = {}
+        self.service = SchedulerService(scheduler, f"tcp://{bind_ip}:*", on_pull=self._on_pull)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.service.serve, args=(10 ** 9, SERVICE_MAX_S, self._stop),
+                                        name="scheduler", daemon=True)
+        self._frontend = ThreadPoolExecutor(1, thread_name_prefix="frontend")  # owns the client socket
+        self._client: SchedulerClient | None = None
+        self.leader_stats: dict[str, dict] = {}
+
+    # -- lifecycle (on the cluster's loop) -------------------------------------------------------
+    async def start(self) -> None:
+        self._thread.start()
+        self._client = await self.loop.run_in_executor(self._frontend, SchedulerClient, self.service.endpoint)
+        for group, engines in self.groups.items():
+            members = {e: [self.c.host_of(e), self._roles[group], self._state(e)] for e in engines}
+            nodes = {self.c.host_of(e): self._state(self.c.host_of(e)) for e in engines}
+            await self.c.clients[engines[0]].call("lead", group=group, scheduler=self.service.endpoint,
+                                                  members=members, nodes=nodes, interval_s=self.interval_s)
+
+    async def stop(self) -> None:
+        for group, engines in self.groups.items():
+            try:
+                self.leader_stats[group] = await self.c.clients[engines[0]].call("unlead", timeout_s=10)
+            except Exception as e:  # a dead leader must not stop the others from being stopped
+                self.leader_stats[group] = {"error": str(e)}
+        self._stop.set()
+        self._thread.join(5)
+        if self._client is not None:
+            await self.loop.run_in_executor(self._frontend, self._client.close)
+        self._frontend.shutdown()
+        self.service.close()
+
+    def _state(self, proc: str) -> str:
+        return f"tcp://{self.c.procs[proc].endpoint.ip}:{state_port(CONTROL_PORT)}"
+
+    # -- the frontend ----------------------------------------------------------------------------
+    def _on_pull(self, group: str, assignments: list[Assignment]) -> None:
+        """From the service thread: a DE leader's pull decided, a PE leader's pull delivered."""
+        waiting = self._delivered if self._roles[group] == "prefill" else self._decided
+        self.loop.call_soon_threadsafe(self._resolve, waiting, assignments)
+
+    @staticmethod
+    def _resolve(waiting: dict[str, asyncio.Future], assignments: list[Assignment]) -> None:
+        for a in assignments:
+            fut = waiting.pop(a.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(a)
+
+    async def route(self, req: Request, n_hit_blocks: int, timeout_s: float) -> Route | None:
+        decided, delivered = self.loop.create_future(), self.loop.create_future()
+        self._decided[req.request_id] = decided
+        self._delivered[req.request_id] = delivered
+        msg = RequestMsg(request_id=req.request_id, hit_tokens=req.hit_tokens, miss_tokens=req.miss_tokens,
+                         total_len=req.total_len)
+        await self.loop.run_in_executor(self._frontend, self._client.submit, [msg])
+        deadline = time.monotonic() + timeout_s
+        try:
+            a = await asyncio.wait_for(decided, timeout_s)
+            await asyncio.wait_for(delivered, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self._decided.pop(req.request_id, None)
+            self._delivered.pop(req.request_id, None)
+            return None
+        # The engines report their own load to their leaders: Router's event hooks stay no-ops.
+        return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
