@@ -1,8 +1,10 @@
 """KV data plane: NIXL over UCX (TCP here), with the UCX environment asserted at start-up.
 
-See agent.py (Agent, regions, READ/WRITE of descriptor lists, notifications), env.py (the
-mandatory UCX settings and the RDMA preflight) and bench.py (throughput and submission
-overhead between two processes, e.g. two engine namespaces).
+See agent.py (Agent, regions, READ/WRITE of descriptor lists, notifications), multiclass.py
+(MultiClassAgent: a traffic class chosen per transfer, one Agent per class because UCX over
+TCP cannot set IP TOS and the class reaches the wire as a port range nftables marks), env.py
+(the mandatory UCX settings and the RDMA preflight) and bench.py (throughput, submission
+overhead and byte-exact checks between two processes, e.g. two engine namespaces).
 """
 from .agent import (
     DEFAULT_TIMEOUT_S,
@@ -24,10 +26,11 @@ from .env import (
     rdma_devices,
     require_rdma,
 )
+from .multiclass import MultiClassAgent, class_agent_name, kv_ports_reserved
 
 __all__ = [
     "Agent", "Region", "Transfer", "TransferStats", "TransferFailed", "TransferTimeout",
     "TransportError", "UcxEnvError", "RdmaUnavailableError", "DEFAULT_TIMEOUT_S",
     "MODEL_PORT_RANGE", "as_descs", "build_ucx_env", "contiguous_descs", "rdma_devices",
-    "require_rdma",
+    "require_rdma", "MultiClassAgent", "class_agent_name", "kv_ports_reserved",
 ]

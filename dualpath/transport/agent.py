@@ -5,6 +5,12 @@ One `Agent` per (process, interface, traffic class). The UCX environment is buil
 checked (env.py) before the NIXL agent exists; UCX reads it when the agent's backend is
 created, so several agents in one process may use different interfaces or classes.
 
+The traffic class is a property of the agent, not of a transfer: over TCP neither NIXL nor UCX
+can set IP TOS, so the class reaches the wire only through the agent's listening port range
+(nftables marks the kv range AF11 by port). To choose the class per transfer, use
+`MultiClassAgent` (multiclass.py): one Agent per class behind one name, with
+`traffic_class=` on every read/write/post.
+
 Descriptors are (local offset, remote offset, length) triples inside one local and one
 remote registered region. A descriptor list is posted as ONE NIXL request
 (`initialize_xfer` + `transfer`: the doorbell-batching analogue, one per layer); mode
@@ -130,6 +136,7 @@ class TransferStats:
     requests: int  # NIXL requests posted: 1 when batched, ndesc one by one
     post_s: float  # time to create + post every request
     total_s: float  # post start to completion seen
+    traffic_class: str = ""  # the class of the agent that carried it (its DSCP on the wire)
 
     @property
     def gbps(self) -> float:
@@ -177,8 +184,10 @@ class Transfer:
             nx.send_notif(self.peer, self._notif)
         self._release()
         self.done = True
+        tc = getattr(self.agent, "traffic_class", None)
         self.stats = TransferStats(self.op, self.peer, self.layer, self.ndesc, self.nbytes,
-                                   len(self.handles), self.t_posted - self.t0, t1 - self.t0)
+                                   len(self.handles), self.t_posted - self.t0, t1 - self.t0,
+                                   tc.name if tc is not None else "")
         return True
 
     def wait(self, timeout: float | None = None, poll_sleep_s: float | None = None) -> TransferStats:
@@ -211,7 +220,8 @@ class Agent:
     Args:
         name: unique agent name (peers address it by this name).
         iface: the network interface all its bytes must use (UCX_NET_DEVICES).
-        traffic_class: "kv" or "model" (chooses the listening port range, hence the DSCP mark).
+        traffic_class: "kv" or "model" (chooses the listening port range, hence the DSCP mark
+            of every byte this agent moves; for a class per transfer see MultiClassAgent).
         transport: "tcp" or "rdma". "rdma" without an RDMA device raises RdmaUnavailableError.
         port_range: listening sub-range inside the class range (default: the whole class range).
         tuning: extra UCX_* knobs (UCX_TCP_SNDBUF, ...); cannot override the mandatory ones.
@@ -309,13 +319,24 @@ class Agent:
         }, use_bin_type=True)
 
     def add_peer(self, md: bytes) -> str:
-        """Load a peer's `metadata()`; returns its name. Calling again refreshes its regions."""
+        """Load a peer's `metadata()`; returns its name. Calling again refreshes its regions.
+
+        A MultiClassAgent's metadata is accepted too: this agent keeps the part of its own
+        class (the peer's agent in that class; for kv it has the peer's own name).
+        """
         try:
             d = msgpack.unpackb(md, raw=False)
             if d.get("v") != _MD_VERSION:
                 raise ValueError(f"metadata version {d.get('v')!r}")
         except Exception as e:
             raise TransportError(f"agent {self.name!r}: peer metadata is not ours: {e}") from None
+        if "classes" in d:  # a MultiClassAgent: one agent per class
+            part = d["classes"].get(self.traffic_class.name)
+            if part is None:
+                raise TransportError(
+                    f"peer {d['name']!r} has no agent in traffic class {self.traffic_class.name!r} "
+                    f"(has {sorted(d['classes'])}): their bytes would be marked differently")
+            return self.add_peer(part)
         if d["transport"] != self.transport:
             raise TransportError(
                 f"peer {d['name']!r} uses transport {d['transport']!r} but this agent uses "

@@ -13,6 +13,11 @@ one-shot iperf3 server so that the same run measures iperf3 on the same link.
 
 The initiator prints one JSON object: READ/WRITE GB/s (best and median of --reps), submission
 overhead per descriptor batched vs one by one, optionally iperf3 and the ratios.
+
+With `--classes kv,model` on both sides each runs a MultiClassAgent (one NIXL agent per traffic
+class) instead of one Agent; `--mode classes` then WRITEs and READs in every class, with sizes
+that differ by class, and checks each byte-exact, so kernel counters per DSCP class can show
+which bytes went where.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import numpy as np
 
 from .agent import DEFAULT_PROGRESS_DELAY_US, Agent, contiguous_descs
 from .env import TransportError, parse_port_range
+from .multiclass import MultiClassAgent
 
 CONTROL_PORT = 5557
 DEFAULT_SIZE = 64 << 20
@@ -120,7 +126,15 @@ def _progress_thread(args) -> bool:
     return args.progress_thread == "on"
 
 
-def _agent(args, name: str) -> Agent:
+def _agent(args, name: str) -> Agent | MultiClassAgent:
+    if args.classes:
+        if args.port_range:
+            raise TransportError("--port-range applies to one class; --classes uses each class's range")
+        return MultiClassAgent(name, args.iface, args.transport,
+                               classes=[c.strip() for c in args.classes.split(",") if c.strip()],
+                               tuning=_tuning(args), progress_thread=_progress_thread(args),
+                               timeout_s=args.timeout, poll_sleep_s=args.poll_sleep,
+                               progress_delay_us=args.progress_delay_us)
     return Agent(name, args.iface, args.traffic_class, args.transport,
                  port_range=parse_port_range(args.port_range) if args.port_range else None,
                  tuning=_tuning(args), progress_thread=_progress_thread(args),
@@ -154,6 +168,8 @@ def run_target(args) -> dict:
                     peer = agent.add_peer(msg["md"])
                     rep = {"md": agent.metadata(), "transport_in_use": agent.transport_in_use,
                            "ucx_env": agent.ucx_env, "peer": peer, "size": args.size}
+                    if isinstance(agent, MultiClassAgent):
+                        rep["peer_classes"] = list(agent.peer_classes(peer))
                 elif cmd == "digest":
                     rep = {"sha256": digest(regions[msg["region"]], msg["ranges"])}
                 elif cmd == "refill":
@@ -360,6 +376,48 @@ def run_check(agent: Agent, ctl: Control, peer: str, local: dict, size: int) -> 
     return res
 
 
+# Bytes per class and direction, as fractions of --size: the classes differ by at least 2x in
+# each direction, so a transfer carried in the wrong class changes the counters visibly.
+CLASS_CHECK_PLAN = (("model", "WRITE", 3 / 8), ("kv", "WRITE", 1 / 8),
+                    ("kv", "READ", 1 / 4), ("model", "READ", 1 / 16))
+
+
+def run_class_check(agent: MultiClassAgent, ctl: Control, peer: str, local: dict, size: int) -> dict:
+    """One WRITE and one READ per traffic class, each byte-exact, WRITEs with a notification.
+
+    WRITE: local hbm -> remote dram; READ: remote hbm -> local dram; 8 descriptors each, at
+    offsets that differ on the two sides. Returns one step per transfer and `ok`.
+    """
+    if not isinstance(agent, MultiClassAgent):
+        raise TransportError("--mode classes needs --classes on both sides")
+    steps = []
+    loff = roff = 0
+    for i, (cls, op, frac) in enumerate(CLASS_CHECK_PLAN):
+        if cls not in agent.peer_classes(peer):
+            raise TransportError(f"peer {peer!r} does not carry class {cls!r}")
+        nbytes = int(size * frac)  # at most 3/8: room for offsets that differ on the two sides
+        d = contiguous_descs(nbytes, 8, local_off=loff % (size // 2), remote_off=(roff + 4096) % (size // 2))
+        loff, roff = loff + nbytes // 3, roff + nbytes // 5
+        if op == "WRITE":
+            msg = f"class-{cls}-write-{i}".encode()
+            st = agent.write(peer, "hbm", "dram", d, traffic_class=cls, notif=msg, layer=i)
+            remote = ctl.call({"cmd": "digest", "region": "dram", "ranges": d[:, 1:].tolist()})["sha256"]
+            mine = digest(local["hbm"], d[:, [0, 2]].tolist())
+            got = ctl.call({"cmd": "notifs", "peer": agent.name, "expect": [msg]})["notifs"]
+            notif = msg in got.get(agent.name, [])
+        else:
+            local["dram"][:] = 0
+            st = agent.read(peer, "dram", "hbm", d, traffic_class=cls, layer=i)
+            remote = ctl.call({"cmd": "digest", "region": "hbm", "ranges": d[:, 1:].tolist()})["sha256"]
+            mine = digest(local["dram"], d[:, [0, 2]].tolist())
+            notif = True
+        steps.append({"class": cls, "op": op, "bytes": st.nbytes, "ndesc": st.ndesc,
+                      "carried_by": st.traffic_class, "peer_agent": st.peer,
+                      "match": remote == mine, "notif": notif})
+    return {"steps": steps, "ok": all(s["match"] and s["notif"] and s["carried_by"] == s["class"]
+                                      for s in steps)}
+
+
 def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
     """Throughput (and iperf3 on the same link) in `--rounds` interleaved rounds, so that a
     noisy machine disturbs both sides of each ratio alike; then submission overhead."""
@@ -425,8 +483,13 @@ def run_initiator(args) -> dict:
         "ucx_env": agent.ucx_env, "size": args.size,
     }
     try:
+        if isinstance(agent, MultiClassAgent):
+            out["classes"] = list(agent.classes)
+            out["peer_classes"] = hello.get("peer_classes")
         if args.mode == "check":
             out["check"] = run_check(agent, ctl, peer, local, args.size)
+        elif args.mode == "classes":
+            out["check"] = run_class_check(agent, ctl, peer, local, args.size)
         else:
             out.update(run_bench(agent, ctl, peer, args))
     finally:
@@ -444,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind-ip", help="target: address to bind the control socket")
     ap.add_argument("--peer-ip", help="initiator: the target's address")
     ap.add_argument("--control-port", type=int, default=CONTROL_PORT)
-    ap.add_argument("--mode", choices=["bench", "check"], default="bench")
+    ap.add_argument("--mode", choices=["bench", "check", "classes"], default="bench",
+                    help="classes: a WRITE and a READ in every traffic class (needs --classes)")
     ap.add_argument("--name", help="agent name (default bench-<role>)")
     ap.add_argument("--traffic-class", default="kv", choices=["kv", "model"])
+    ap.add_argument("--classes", help="comma list, e.g. kv,model: one agent per class "
+                                      "(MultiClassAgent), the class chosen per transfer")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"])
     ap.add_argument("--port-range", help="UCX listening sub-range, e.g. 42000-42099")
     ap.add_argument("--ucx", action="append", metavar="KEY=VALUE",
@@ -489,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    if args.mode == "check" and args.role == "initiator" and not res["check"]["ok"]:
+    if args.mode in ("check", "classes") and args.role == "initiator" and not res["check"]["ok"]:
         return 1
     return 0
 

@@ -9,7 +9,8 @@ Why each setting is mandatory (notes/platform-facts.md, NIXL section):
 - ``UCX_MODULES=^ib``: otherwise every process segfaults at exit (bundled libnl in _dl_fini).
 - ``UCX_TCP_PORT_RANGE``: neither NIXL nor UCX can set IP TOS on TCP, so a kv-class agent
   listens inside ``KV_PORT_RANGE`` and nftables marks that range AF11 by port. A model-class
-  agent must listen outside it.
+  agent must listen outside it. This is why a traffic class belongs to an agent (a UCX
+  context), and why a class chosen per transfer needs one agent per class (multiclass.py).
 
 A setting already present in the process environment that contradicts these is an error,
 never silently overridden: whoever set it expected it to take effect.
