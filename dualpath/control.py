@@ -10,6 +10,7 @@ gets an error reply naming the field, never a crash. No pickle crosses a socket.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,3 +135,68 @@ class RpcClient:
     def close(self) -> None:
         if not self.dead:
             self._sock.close()
+
+
+class AsyncRpcClient:
+    """Many outstanding commands on one DEALER socket, replies matched by their "id" (asyncio).
+
+    For a server that queues work itself (dualpath.agents.read_queue): every request reaches it
+    at once instead of waiting here for the one before it.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str,
+                 alive: Callable[[], bool] = lambda: True):
+        self.name, self.endpoint, self.alive = name, endpoint, alive
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def call(self, cmd: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
+        """Run `cmd` remotely; raise ControlError on an error reply, a timeout or a dead process."""
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        payload = pack({"cmd": cmd, "args": args, "id": rid})
+        self.sent_bytes += len(payload)
+        await self._sock.send_multipart([b"", payload])
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(fut), 0.1)
+                    break
+                except asyncio.TimeoutError:
+                    if not self.alive():
+                        raise ControlError(f"{self.name}: process exited during '{cmd}'") from None
+                    if time.monotonic() > deadline:
+                        raise ControlError(f"{self.name}: no reply to '{cmd}' within {timeout_s:g}s") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if not reply.get("ok"):
+            raise ControlError(f"{self.name}: {reply.get('error', 'unknown error')}")
+        return reply
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            self.recv_bytes += len(frames[-1])
+            try:
+                reply = unpack(frames[-1])
+            except Exception:
+                continue  # not ours to answer; the caller's timeout covers it
+            fut = self._waiting.get(reply.get("id")) if isinstance(reply, dict) else None
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close()

@@ -193,13 +193,18 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             checkpoint: Optional[Path] = typer.Option(None, help="a local Qwen2/Llama checkpoint directory "
                                                       "(default: the generated tiny demo model)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
-            transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)")) -> None:
+            transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)"),
+            quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass "
+                                         "(dualpath modes), milliseconds of predicted attention time"),
+            first_turn_tokens: int = typer.Option(0, min=0, max=100_000, help="each trajectory's first turn "
+                                                  "appends this many cold tokens (its own task context): a "
+                                                  "compute burst at the start; 0 keeps the generated length")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     _need_root()
     if transport not in ("tcp", "rdma"):
         _fail(f"--transport: {transport!r} is not tcp or rdma")
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
-             transport)
+             transport, quota_ms / 1000, first_turn_tokens)
 
 
 @app.command()
@@ -211,7 +216,7 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
 
 
 def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
-             out: Path, command: str, transport: str = "tcp") -> None:
+             out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0) -> None:
     from dualpath.model import CheckpointError
     from dualpath.workload import demo_workload, generate
     from testbed.conductor import MODES
@@ -228,7 +233,10 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
         geom = run_geometry(ckpt)
     except CheckpointError as e:
         _fail(str(e))
-    wl = generate(demo_workload(seed=seed, n_trajectories=trajectories))
+    try:
+        wl = generate(demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens))
+    except ValueError as e:
+        _fail(str(e))
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"  # logs and the store's disk; not results
     run_dir = out / run_id
@@ -240,11 +248,13 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
     with _fabric(t) as fab:
         spec = t.spec  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport,
+                          quota_s=quota_s,
                           buffer_bytes=int(spec.dram_buffer_gib * 2**30), hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
     shutil.rmtree(scratch, ignore_errors=True)  # only reached on success: a failed run keeps its logs
     summary = summarize(results, wl, geom)
     summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,
                     "checkpoint": str(ckpt), "wall_s": round(time.monotonic() - t0, 1),
+                    "quota_s": quota_s, "first_turn_tokens": first_turn_tokens,
                     "transport": results[0].transport if results else transport})
     write_results(results, summary, run_dir, command)
     lines = e2e_lines(summary)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from dualpath.control import RpcClient
+from dualpath.agents.common import load_port
+from dualpath.control import AsyncRpcClient, RpcClient
 from dualpath.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric
@@ -94,6 +95,7 @@ class Cluster:
         self.stores: list[ServerProcess] = []
         self.procs: dict[str, NodeProcess] = {}
         self.clients: dict[str, RpcClient] = {}
+        self.loaders: dict[str, AsyncRpcClient] = {}  # host agents' read queues
         self.transports: dict[str, str] = {}
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
@@ -102,6 +104,10 @@ class Cluster:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- lookup --------------------------------------------------------------------------------
+    def control_bytes(self) -> int:
+        """Control-plane bytes the conductor has sent and received so far."""
+        return sum(c.sent_bytes + c.recv_bytes for c in (*self.clients.values(), *self.loaders.values()))
+
     def engines(self, role: str) -> list[str]:
         return [n for n, p in self.procs.items() if p.role == role]
 
@@ -152,6 +158,9 @@ class Cluster:
         self.ctx = zmq.asyncio.Context()
         for name, p in self.procs.items():
             self.clients[name] = RpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", p.alive)
+            if p.role == "host":
+                self.loaders[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{load_port(CONTROL_PORT)}",
+                                                    p.alive)
         hellos = {n: await c.call("hello", timeout_s=30) for n, c in self.clients.items()}
         metas = {n: h["metadata"] for n, h in hellos.items()}
         rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
@@ -173,9 +182,10 @@ class Cluster:
         return self.loop.run_until_complete(coro)
 
     def stop(self) -> None:
-        for c in self.clients.values():
+        for c in (*self.clients.values(), *self.loaders.values()):
             c.close()
         self.clients.clear()
+        self.loaders.clear()
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None

@@ -68,7 +68,7 @@ class RequestRecord:
     t_done: float = 0.0
     read_wait_s: float = 0.0
     reread_bytes: int = 0  # KV read again by the DE because the PE's WRITE had not landed yet
-    attention_s: float = 0.0  # the PE's layer compute time for this request
+    attention_s: float = 0.0  # the PE's layer compute time for this request (CPU time, see engines.prefill)
     error: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -122,7 +122,7 @@ class PrefillJob:
             r.chunk_read_bytes += kv_bytes(geom, self.cached)
         r.chunk_read_bytes += res.get("reread_bytes", 0)
         r.read_wait_s += res["read_wait_s"]
-        r.attention_s += res["compute_s"]
+        r.attention_s += res["compute_cpu_s"]
         r.passes += 1
         self.crcs = res["write_crcs"]
         self.cached += n_new
@@ -286,7 +286,7 @@ class Conductor:
         async def load(node: str, ks: list[str], offset: int) -> None:
             self.router.read_started(node, len(ks) * fb)
             try:
-                await self.c.clients[node].call("load", keys=ks, offset=offset, timeout_s=self.timeout_s)
+                await self.c.loaders[node].call("load", keys=ks, offset=offset, timeout_s=self.timeout_s)
             finally:
                 self.router.read_done(node, len(ks) * fb)
 
@@ -334,7 +334,8 @@ class Conductor:
                 continue
             self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(entries),
                                  "chunked": not entries[-1].last, "loaded": loaded,
-                                 "attention_s": rep["attention_s"], "predicted_s": predicted})
+                                 "attention_s": rep["attention_s"], "attention_wall_s": rep["attention_wall_s"],
+                                 "predicted_s": predicted})
             for j, e, res in zip(jobs, entries, rep["results"]):
                 j.absorb(res, e.new, self.geom)
                 if e.last:

@@ -50,10 +50,11 @@ class ModeResult:
     verdicts: dict[str, Any] = field(default_factory=dict)
     transport: str = ""  # as the node processes reported it
     batches: list = field(default_factory=list)  # PE forward batches (dualpath modes)
+    scheduler: dict = field(default_factory=dict)  # the router's own record (service, leaders' pulls)
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
-              namespace: bytes, progress: Callable[[str], None]) -> ModeResult:
+              namespace: bytes, progress: Callable[[str], None], quota_s: float) -> ModeResult:
     recs: list[RequestRecord] = []
     done = [0]
     total = sum(len(t.turns) for t in workload.trajectories)
@@ -64,12 +65,12 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             if done[0] % max(total // 10, 1) == 0 or done[0] == total:
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
-    async def go() -> tuple[float, RequestRecord, int, Conductor]:
+    async def go() -> tuple[float, RequestRecord, int, Conductor, dict]:
         router = _router(cluster, fab, geom, mode)
         await router.start()
         co = Conductor(cluster, geom, mode, namespace, on_record=on_record, router=router,
-                       cost_model=cluster.cost_model if mode.startswith("dualpath") else None)
-        sent0 = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values())
+                       cost_model=cluster.cost_model if mode.startswith("dualpath") else None, quota_s=quota_s)
+        sent0 = cluster.control_bytes()
         try:
             warm = await co.warm(workload.system_prompt)
             if warm.error:
@@ -83,17 +84,18 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
         for p in per:
             recs.extend(p)
         jct = max(r.t_done for r in recs) - t0
-        app = sum(c.sent_bytes + c.recv_bytes for c in cluster.clients.values()) - sent0
-        return jct, warm, app, co
+        app = cluster.control_bytes() - sent0
+        return jct, warm, app, co, router.stats()
 
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
     with Monitor(devs, interval_s=0.25) as mon:
-        jct, warm, app_bytes, co = cluster.run(go())
+        jct, warm, app_bytes, co, decisions = cluster.run(go())
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.batches = co.batches
+    res.scheduler = decisions
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res
@@ -167,7 +169,8 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
 
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
-            progress: Callable[[str], None] = print, transport: str = "tcp") -> list[ModeResult]:
+            progress: Callable[[str], None] = print, transport: str = "tcp",
+            quota_s: float = 0.3) -> list[ModeResult]:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
@@ -181,7 +184,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
         for mode in modes:
             progress(f"  mode {mode}")
             ns = f"{run_dir.name}/{mode}".encode()[:64]
-            results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress))
+            results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress, quota_s))
             results[-1].transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
     verify(results, checkpoint, geom, progress)
     return results
@@ -221,8 +224,13 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "snic_max_over_avg": round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3) if sum(snic_rx) else None,
             "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
                                        if pe_att and sum(pe_att.values()) else None),
+            # per forward step across PEs: while loaded (the target), by wall time, and every step
             "forward_attention_max_over_avg": _forward_balance(res.batches),
+            "forward_attention_wall_max_over_avg": _forward_balance(res.batches, "attention_wall_s"),
+            "forward_attention_all_steps": _forward_balance(res.batches, loaded_only=False),
             "forward_batches": len(res.batches),
+            "chunked_requests": sum(r.passes > 1 for r in ok),
+            "scheduler": res.scheduler,
             "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
             "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
             "cpu_saturated": res.cpu_peak >= CPU_SATURATED,
@@ -230,26 +238,33 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
     return out
 
 
-def _forward_balance(batches: list[dict]) -> float | None:
-    """Attention time max/avg across PEs per forward step, while every PE is loaded.
+def _forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: bool = True) -> dict[str, Any] | None:
+    """Attention time max/avg across PEs per forward step.
 
-    Step k is each PE's k-th forward batch (data-parallel engines step together in the
-    paper); only steps that every PE reaches count, i.e. while all of them have work.
-    The median over those steps is reported.
+    Step k is each PE's k-th forward pass (data-parallel engines step together in the
+    paper). With `loaded_only`, a step counts only when every PE's k-th pass was loaded:
+    work was left for its next pass, so the compute quota, not an empty queue, ended it
+    (the paper measures while engines are loaded, early in a run). Median and max over the
+    counted steps, and how many there were.
     """
-    per: dict[str, list[float]] = {}
+    per: dict[str, list[dict]] = {}
     for b in batches:
-        per.setdefault(b["pe"], []).append(b["attention_s"])
+        per.setdefault(b["pe"], []).append(b)
     if len(per) < 2:
         return None
-    steps = min(len(v) for v in per.values())
     ratios = []
-    for k in range(steps):
-        vals = [v[k] for v in per.values()]
+    for k in range(min(len(v) for v in per.values())):
+        step = [v[k] for v in per.values()]
+        if loaded_only and not all(b["loaded"] for b in step):
+            continue
+        vals = [b[key] for b in step]
         mean = sum(vals) / len(vals)
         if mean > 0:
             ratios.append(max(vals) / mean)
-    return round(sorted(ratios)[len(ratios) // 2], 3) if ratios else None
+    if not ratios:
+        return {"steps": 0}
+    ratios.sort()
+    return {"steps": len(ratios), "median": round(ratios[len(ratios) // 2], 3), "max": round(ratios[-1], 3)}
 
 
 def _per_nic(rows) -> list[dict[str, Any]]:

@@ -72,6 +72,30 @@ def e2e_lines(summary: dict) -> list[str]:
         lines.append(f"  {nic:<22}" + "".join(f"{c:>20}" for c in cells))
     ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
+    lines.extend(_balance_lines(summary))
+    return lines
+
+
+def _balance_lines(summary: dict) -> list[str]:
+    """What the scheduler balances, for the modes that have one."""
+    sched = {mode: m for mode, m in summary["modes"].items() if mode.startswith("dualpath")}
+    if not sched:
+        return []
+
+    def fwd(x: dict | None) -> str:
+        if not x:
+            return "n/a"
+        return f"{x['median']:.3f} (max {x['max']:.3f}, {x['steps']} steps)" if x.get("steps") else "no steps"
+
+    lines = ["balance: SNIC kv bytes max/avg; PE attention time max/avg per forward step while every PE is "
+             "loaded (CPU time of the engines' compute; wall time beside it)"]
+    for mode, m in sched.items():
+        groups = m.get("scheduler", {}).get("groups", {})
+        pulled = sum(g.get("assigned", 0) for g in groups.values())
+        lines.append(f"  {mode:<15} SNIC {m['snic_max_over_avg']}  attention {fwd(m['forward_attention_max_over_avg'])}"
+                     f"  wall {fwd(m['forward_attention_wall_max_over_avg'])}  passes {m['forward_batches']}, "
+                     f"chunked requests {m['chunked_requests']}, paths {m['paths']}"
+                     + (f", {pulled} assignments pulled by {len(groups)} group leaders" if groups else ""))
     return lines
 
 

@@ -34,6 +34,10 @@ class Router:
     async def stop(self) -> None:
         pass
 
+    def stats(self) -> dict:
+        """What the run's summary records about the decisions (after stop)."""
+        return {}
+
     async def route(self, req: Request, n_hit_blocks: int, timeout_s: float) -> Route | None:
         """The request's engines and path; None if no engine admitted it within timeout_s."""
         raise NotImplementedError

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dualpath.agents.leader import state_port
+from dualpath.agents.common import state_port
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.messages import RequestMsg
 from dualpath.scheduler.records import Assignment, Request
@@ -74,6 +74,11 @@ class ServiceRouter(Router):
             await self.loop.run_in_executor(self._frontend, self._client.close)
         self._frontend.shutdown()
         self.service.close()
+
+    def stats(self) -> dict:
+        return {"service": self.service.endpoint, "messages": self.service.handled, "errors": self.service.errors,
+                "groups": {g: {"leader": e[0], "engines": e, **self.leader_stats.get(g, {})}
+                           for g, e in self.groups.items()}}
 
     def _state(self, proc: str) -> str:
         return f"tcp://{self.c.procs[proc].endpoint.ip}:{state_port(CONTROL_PORT)}"

@@ -132,3 +132,39 @@ def test_asking_for_rdma_without_it_fails_loudly(no_leftovers):
     assert "Traceback" not in r.stderr
     assert "no RDMA device" in r.stderr and "does not fall back" in r.stderr
     assert "cluster up" not in r.stdout  # nothing ran over TCP instead
+
+
+@pytest.fixture(scope="module")
+def scheduled(checkpoint, tmp_path_factory):
+    """dualpath and dualpath-split through the live scheduler service, with a compute quota small
+    enough that cold first turns must be chunked."""
+    from testbed.cleanup import clean, find_leftovers
+
+    if not find_leftovers().empty():
+        clean(verbose=False)
+    wl = generate(demo_workload(seed=2, n_trajectories=3, turns_mean=3.0, turns_min=3, first_append_len=192))
+    with Fabric(load_topology(REPO / "topologies" / "1p2d.yaml")) as fab:
+        results = run_e2e(fab, wl, checkpoint, tmp_path_factory.mktemp("run"), modes=("dualpath", "dualpath-split"),
+                          progress=lambda _m: None, quota_s=0.02)
+    assert find_leftovers().empty()
+    return summarize(results, wl, run_geometry(checkpoint))
+
+
+def test_chunked_and_split_prefill_match_recomputation(scheduled):
+    for mode, m in scheduled["modes"].items():
+        assert m["errors"] == 0, mode
+        assert m["verification"]["all_match"], (mode, m["verification"])
+        acc = m["kv_bytes_vs_expected"]  # chunks' past reads (R) and split reads are accounted for
+        assert acc["within"] == acc["nics"], (mode, [r for r in acc["per_nic"] if not r["ok"]])
+        assert m["chunked_requests"] > 0, mode
+    assert scheduled["modes"]["dualpath-split"]["paths"]["split"] > 0
+
+
+def test_every_decision_was_pulled_by_an_engine_group_leader(scheduled):
+    for mode, m in scheduled["modes"].items():
+        groups = m["scheduler"]["groups"]
+        assert set(groups) == {"pe", "de-dpt-d0", "de-dpt-d1"}, groups
+        assert all(g["error"] is None for g in groups.values()), groups
+        # each request (and the warm-up) reached its PE's and its DE's leader by their pulls
+        assert sum(g["assigned"] for g in groups.values()) == 2 * (m["requests"] + 1), (mode, groups)
+        assert m["scheduler"]["errors"] == 0

@@ -9,6 +9,20 @@ import sys
 import numpy as np
 
 
+# Beside a process's control socket: its state socket (what group leaders read) and, on a
+# host agent, its read queue. Control traffic stays outside the kv port range (model class).
+STATE_PORT_OFFSET = 1
+LOAD_PORT_OFFSET = 2
+
+
+def state_port(control_port: int) -> int:
+    return control_port + STATE_PORT_OFFSET
+
+
+def load_port(control_port: int) -> int:
+    return control_port + LOAD_PORT_OFFSET
+
+
 def base_args(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--name", required=True, help="agent name (also the namespace name)")

@@ -83,12 +83,14 @@ def main() -> None:
         results = []
         for (_, _, conn), out in zip(items, outs):
             s = conn.stats
-            results.append({"first_token": out.first_token, "compute_s": out.compute_s, "total_s": out.total_s,
+            results.append({"first_token": out.first_token, "compute_s": out.compute_s,
+                            "compute_cpu_s": out.compute_cpu_s, "total_s": out.total_s,
                             "read_bytes": s.read_bytes, "written_bytes": s.written_bytes,
                             "read_wait_s": s.read_wait_s, "peak_hit_bytes": s.peak_hit_bytes,
                             "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs,
                             "reread_bytes": s.reread_bytes})
-        return {"results": results, "attention_s": sum(o.compute_s for o in outs)}
+        return {"results": results, "attention_s": sum(o.compute_cpu_s for o in outs),
+                "attention_wall_s": sum(o.compute_s for o in outs)}
 
     def decode(request: str, n_prompt: int, first_token: int, gen_len: int, src: dict | None,
                wb: dict | None, first_new_block: int, expect_crcs: list[int] | None = None) -> dict:

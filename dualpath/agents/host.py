@@ -4,7 +4,8 @@ It runs in the node's host namespace. Engines READ from and WRITE into its
 buffer one-sided; it stays passive for those (NIXL's progress thread serves
 them) and only confirms, on request, that a peer's notifications have arrived.
 Over the control plane it serves the storage side: `load` (store -> buffer over
-the SNIC) and `flush` (buffer -> store, for decode write-back).
+the SNIC, through the node's read queue, see read_queue.py) and `flush`
+(buffer -> store, for decode write-back).
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import time
 import zlib
 
 from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
+from dualpath.agents.common import load_port
 from dualpath.agents.leader import serve_state
+from dualpath.agents.read_queue import ReadQueueServer
 from dualpath.control import RpcServer
 from dualpath.store.client import StoreClient
 
@@ -63,16 +66,18 @@ def main() -> None:
     def contains(keys: list[str]) -> dict:
         return {"present": store.contains(keys)}
 
-    # The node's read queue, for the group leaders' reports: served beside the control
-    # socket, which is busy for the whole of a long load.
-    serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": store.pending_read_bytes}})
+    # Loads queue here, on the node, where read_q can count them all; the group leaders read
+    # read_q from the state socket (the control socket may be busy with a long flush).
+    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load).start()
+    serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes}})
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                       {**wiring_handlers(agent), "load": load, "flush": flush, "wait_notifs": wait_notifs,
+                       {**wiring_handlers(agent), "flush": flush, "wait_notifs": wait_notifs,
                         "contains": contains})
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()
     finally:
+        reads.stop()
         store.close()
         agent.close()
 

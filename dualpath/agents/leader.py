@@ -18,14 +18,10 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from dualpath.agents.common import state_port
 from dualpath.control import RpcClient, RpcServer
 
-STATE_PORT_OFFSET = 1  # the state socket listens on the control port + 1
 DEFAULT_PULL_INTERVAL_S = 0.02
-
-
-def state_port(control_port: int) -> int:
-    return control_port + STATE_PORT_OFFSET
 
 
 class EngineLoad:

@@ -13,7 +13,10 @@ from dualpath.model import Transformer
 @dataclass
 class PrefillOutcome:
     first_token: int
-    compute_s: float  # this request's layer compute (its attention and MLP) in the batch
+    compute_s: float  # this request's layer compute (its attention and MLP) in the batch, wall time
+    # the same as CPU time of the computing thread: what a GPU's kernel time stands for here,
+    # where engines share two cores and wall time includes the time another engine ran
+    compute_cpu_s: float
     total_s: float
 
 
@@ -33,6 +36,7 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
     t0 = time.perf_counter()
     xs = [model.embed(tokens) for tokens, _, _ in items]
     compute = [0.0] * len(items)
+    compute_cpu = [0.0] * len(items)
     started = []
     try:
         for _, plan, conn in items:
@@ -41,10 +45,11 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
         for layer in range(model.config.n_layer):
             for i, (_, plan, conn) in enumerate(items):
                 past = conn.wait_for_layer(layer)
-                c0 = time.perf_counter()
+                c0, u0 = time.perf_counter(), time.thread_time()
                 pk, pv = past if past is not None else (None, None)
                 xs[i], k, v = model.layer_forward(layer, xs[i], plan.n_hit, pk, pv)
                 compute[i] += time.perf_counter() - c0
+                compute_cpu[i] += time.thread_time() - u0
                 conn.save_layer(layer, k, v)
     finally:
         for conn in started:
@@ -52,5 +57,5 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
     out = []
     for i, (tokens, plan, _) in enumerate(items):
         logits = model.logits(xs[i][-1:], plan.n_hit + len(tokens) - 1)
-        out.append(PrefillOutcome(int(torch.argmax(logits[-1])), compute[i], time.perf_counter() - t0))
+        out.append(PrefillOutcome(int(torch.argmax(logits[-1])), compute[i], compute_cpu[i], time.perf_counter() - t0))
     return out

@@ -104,6 +104,9 @@ class WorkloadConfig:
     append_cv: float = 1.0
     gen_cv: float = 1.0
     length_dist: str = "lognormal"
+    # > 0: every first turn appends exactly this many tokens, the agent's own task context,
+    # cold in the store (a compute burst as the agents start together)
+    first_append_len: int = 0
     vocab_size: int = DEFAULT_VOCAB
     seed: int = 0
     name: str = "custom"
@@ -115,11 +118,13 @@ class WorkloadConfig:
             if not cond:
                 raise ValueError(f"WorkloadConfig({self.name}): {msg}")
 
-        for f in ("n_trajectories", "system_prompt_len", "max_len", "turns_min", "vocab_size", "seed"):
+        for f in ("n_trajectories", "system_prompt_len", "max_len", "turns_min", "vocab_size", "seed",
+                  "first_append_len"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool), f"{f} must be an int, got {v!r}")
         need(self.n_trajectories >= 0, "n_trajectories must be >= 0")
         need(self.system_prompt_len >= 0, "system_prompt_len must be >= 0")
+        need(self.first_append_len >= 0, "first_append_len must be >= 0")
         need(self.turns_min >= 1, "turns_min must be >= 1")
         need(self.turns_mean >= self.turns_min, f"turns_mean {self.turns_mean} < turns_min {self.turns_min}")
         need(self.append_mean >= 1 and self.gen_mean >= 1, "append_mean and gen_mean must be >= 1")
@@ -131,6 +136,9 @@ class WorkloadConfig:
              f"max_len {self.max_len} leaves no room for one append and one generated token "
              f"after the {self.system_prompt_len}-token system prompt")
         need(self.scale_factor > 0, "scale_factor must be > 0")
+        need(self.system_prompt_len + self.first_append_len + 1 < self.max_len,
+             f"a first turn of {self.first_append_len} tokens after the {self.system_prompt_len}-token system "
+             f"prompt leaves no room for a generated token within max_len {self.max_len}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -198,6 +206,8 @@ def generate(config: WorkloadConfig) -> Workload:
         gens = sample_lengths(rng, n, c.gen_mean, c.gen_cv, c.length_dist)
         turns: list[Turn] = []
         ctx = c.system_prompt_len
+        if c.first_append_len:
+            apps[0] = c.first_append_len
         for t in range(n):
             a, g = int(apps[t]), int(gens[t])
             if ctx + a + g > c.max_len:

@@ -1,0 +1,119 @@
+"""Engine group leaders pulling from the live scheduler service over ZeroMQ (loopback, no namespaces).
+
+Each engine's load and each node's read queue are served by the same code the engine and host
+agent processes run (dualpath.agents.leader.serve_state); the leaders pull with their reports and
+hand the assignments to the engines they name.
+"""
+import socket
+import threading
+import time
+
+import pytest
+
+from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
+from dualpath.scheduler.core import Scheduler
+from dualpath.scheduler.messages import RequestMsg
+from dualpath.scheduler.service import SchedulerClient, SchedulerService
+from dualpath.scheduler.thresholds import Profile
+
+PROFILE = Profile(snic_bytes_per_s=1e6, prefill_tokens_per_s=1000, kv_bytes_per_token=100, block_tokens=16)
+IP = "127.0.0.1"
+
+
+def test_an_engine_counts_work_until_it_finishes_even_when_it_finishes_first():
+    load = EngineLoad(hbm_tokens=1000)
+    load.assigned("a", 300)
+    load.assigned("b", 200)
+    assert load.report() == {"seq_e": 2, "tok_e": 500, "free_hbm_tokens": 500}
+    load.finished("a")
+    assert load.report() == {"seq_e": 1, "tok_e": 200, "free_hbm_tokens": 800}
+    load.finished("c")  # the command raced ahead of the leader's hand-over
+    load.assigned("c", 999)
+    assert load.report()["seq_e"] == 1  # "c" is never counted
+
+
+def _control_port() -> int:
+    """A free port whose successor (the state socket) is free too."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind((IP, 0))
+            port = a.getsockname()[1]
+        with socket.socket() as b:
+            try:
+                b.bind((IP, port + 1))
+                return port
+            except OSError:
+                continue
+    pytest.skip("no two consecutive free ports")
+
+
+@pytest.fixture
+def cluster():
+    """Two prefill engines on node n0, one decode engine on node n1, their leaders and the service."""
+    pulled: list[tuple[str, list]] = []
+    sched = Scheduler(PROFILE)
+    svc = SchedulerService(sched, f"tcp://{IP}:*", on_pull=lambda g, a: pulled.append((g, a)))
+    stop = threading.Event()
+    th = threading.Thread(target=svc.serve, args=(10 ** 6, 60, stop), daemon=True)
+    th.start()
+    loads = {e: EngineLoad(hbm_tokens=10_000) for e in ("p0e0", "p0e1", "d1e0")}
+    read_q = {"n0": 0, "n1": 0}
+    ports = {}
+    for e, load in loads.items():
+        ports[e] = _control_port()
+        serve_state(IP, ports[e], {"load": load.report,
+                                   "assigned": lambda request, tokens, _l=load: _l.assigned(request, tokens) or {}})
+    for n in read_q:
+        ports[n] = _control_port()
+        serve_state(IP, ports[n], {"read_q": lambda _n=n: {"bytes": read_q[_n]}})
+
+    def ep(name: str) -> str:
+        return f"tcp://{IP}:{ports[name] + 1}"
+
+    leaders = [
+        GroupLeader("pe", svc.endpoint, {"p0e0": ("n0", "prefill", ep("p0e0")), "p0e1": ("n0", "prefill", ep("p0e1"))},
+                    {"n0": ep("n0")}, kv_bytes_per_token=100, interval_s=0.005, max_seconds=60).start(),
+        GroupLeader("de-n1", svc.endpoint, {"d1e0": ("n1", "decode", ep("d1e0"))}, {"n1": ep("n1")},
+                    kv_bytes_per_token=100, interval_s=0.005, max_seconds=60).start(),
+    ]
+    client = SchedulerClient(svc.endpoint)
+    yield client, loads, read_q, pulled
+    stats = [lead.stop() for lead in leaders]
+    client.close()
+    stop.set()
+    th.join(5)
+    svc.close()
+    assert all(s["error"] is None for s in stats), stats
+
+
+def _wait(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
+    client, loads, read_q, pulled = cluster
+    read_q["n0"] = 50_000_000  # the PE node's SNIC is far behind: the DE side must read
+    client.submit([RequestMsg(request_id="r1", hit_tokens=320, miss_tokens=80, total_len=400)])
+    _wait(lambda: {g for g, _ in pulled} == {"pe", "de-n1"})
+    decided = next(a for g, got in pulled if g == "de-n1" for a in got)
+    assert decided.path.value == "de"
+    assert decided.de_engine == "d1e0"
+    # each engine named in the assignment heard of it from its own leader
+    _wait(lambda: loads["d1e0"].report()["tok_e"] == 400
+          and loads[decided.pe_engine].report()["tok_e"] == 400)
+    other = "p0e1" if decided.pe_engine == "p0e0" else "p0e0"
+    assert loads[other].report()["seq_e"] == 0
+    assert loads["d1e0"].report()["free_hbm_tokens"] == 10_000 - 400
+
+
+def test_the_leaders_reports_steer_the_next_decisions(cluster):
+    """Engine load reaches the scheduler only through the leaders' reports: a busy PE is passed over."""
+    client, loads, read_q, pulled = cluster
+    loads["p0e0"].assigned("old", 900)  # p0e0 already has work the scheduler never assigned
+    time.sleep(0.05)  # a report or two
+    client.submit([RequestMsg(request_id="r2", hit_tokens=0, miss_tokens=100, total_len=100)])
+    _wait(lambda: any(g == "pe" for g, _ in pulled))
+    assert next(a for g, got in pulled if g == "pe" for a in got).pe_engine == "p0e1"
