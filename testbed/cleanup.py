@@ -67,10 +67,13 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
     left = Leftovers()
     left.namespaces = sorted(p.name for p in NETNS_DIR.glob(f"{PREFIX}-*")) if NETNS_DIR.exists() else []
     inodes = {i for i in (_ns_inode(NETNS_DIR / n) for n in left.namespaces) if i is not None}
-    shells = [pid for pid in _our_processes(set())]
-    for pid in shells:  # Mininet shells hold the namespaces of hosts
+    # Mininet shells hold the namespaces of hosts; the bridges' shells live in ours, and what
+    # else runs here is not ours to kill. Ours, not init's: /proc/1 may be unreadable even to
+    # root in a container, and then every process here would have looked like a leftover.
+    here = _ns_inode(Path("/proc/self/ns/net"))
+    for pid in _our_processes(set()):
         ino = _ns_inode(Path(f"/proc/{pid}/ns/net"))
-        if ino is not None and ino != _ns_inode(Path("/proc/1/ns/net")):
+        if ino is not None and here is not None and ino != here:
             inodes.add(ino)
     left.processes = sorted(set(_our_processes(inodes)) - (exclude_pids or set()))
     for link in json.loads(run(["ip", "-j", "-d", "link", "show"]) or "[]"):

@@ -1,4 +1,5 @@
 """Bring-up builds what DESIGN.md section 2 says, and teardown leaves nothing, however it ends."""
+import os
 import signal
 import subprocess
 import time
@@ -60,6 +61,14 @@ def test_bringup_builds_the_design(no_leftovers):
         # the compute and storage networks are separate bridges
         cbr = run(["ip", "-br", "link", "show", "master", f"{PREFIX}-cbr"])
         assert f"{PREFIX}-cbr-p0e0" in cbr and f"{PREFIX}-sbr-p0" not in cbr
+        # only what lives in the testbed's namespaces (or is its tagged shell) is a leftover:
+        # never this test's own process tree in the root namespace
+        left = find_leftovers().processes
+        assert os.getpid() not in left and os.getppid() not in left
+        here = os.stat("/proc/self/ns/net").st_ino
+        untagged_here = [p for p in left if os.stat(f"/proc/{p}/ns/net").st_ino == here
+                         and b"mininet:" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert untagged_here == []
     assert find_leftovers().empty()
 
 
