@@ -144,7 +144,7 @@ class Conductor:
                         for n, p in cluster.procs.items() if p.role == "host"}
         self._space = asyncio.Condition()
         self.router = router or RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
-                                                 "none" if mode == "oracle" else "pe")
+                                                 ("none",) if mode == "oracle" else ("pe",))
         # With a cost model, PEs run quota-packed, chunked passes (the paper's intra-engine
         # scheduling); without one, each pass is one whole request.
         self.cost_model, self.quota_s = cost_model, quota_s

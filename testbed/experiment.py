@@ -16,12 +16,16 @@ from dualpath.accounting import RequestBytes, compare, expected_totals, request_
 from dualpath.kv_spans import kv_bytes
 from dualpath.layouts import BlockGeometry
 from dualpath.model import load_config
+from dualpath.scheduler.core import Scheduler
+from dualpath.scheduler.thresholds import Profile
 from dualpath.workload import Workload
 from testbed import counters
-from testbed.cluster import Cluster
+from testbed.cluster import CONDUCTOR_IP, Cluster
 from testbed.conductor import MODES, Conductor, RequestRecord
 from testbed.fabric import Fabric
 from testbed.monitor import CPU_SATURATED, Monitor
+from testbed.routing import RoundRobinRouter, Router
+from testbed.scheduling import ServiceRouter
 from testbed.verify import Reference
 
 TOLERANCE = 0.02  # measured KV bytes per NIC vs the per-path counts
@@ -101,31 +105,19 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     return res
 
 
-def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str):
-    """Who decides for the dualpath modes. dualpath and dualpath-split: the scheduler service,
-    pulled by the engine group leaders (Algorithm 1, DE phases 1-2, then the shorter read queue
-    or a split). dualpath-rr: round-robin engines and paths, the ablation's baseline."""
-    from testbed.routing import RoundRobinRouter
-
-    if not mode.startswith("dualpath"):
-        return RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
-                                "none" if mode == "oracle" else "pe")
-    from dualpath.scheduler.thresholds import Profile
-
+def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str) -> Router:
+    """Who decides. dualpath and dualpath-split: the scheduler service, pulled by the engine
+    group leaders (Algorithm 1, DE phases 1-2, then the shorter read queue or a split).
+    dualpath-rr: engines and read paths in turn, the ablation's baseline. The single-path
+    modes: engines in turn."""
+    pe, de = cluster.engines("prefill"), cluster.engines("decode")
+    if mode in ("basic", "layerwise", "oracle"):
+        return RoundRobinRouter(pe, de, ("none",) if mode == "oracle" else ("pe",))
+    if mode == "dualpath-rr":
+        return RoundRobinRouter(pe, de, ("pe", "de"))
     kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
     profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8, prefill_tokens_per_s=cluster.prefill_tokens_per_s,
                       kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
-    if mode == "dualpath-rr":
-        from dualpath.scheduler.live import LivePolicy
-        from testbed.routing import PolicyRouter
-
-        pairs = {r: [(e, cluster.host_of(e)) for e in cluster.engines(r)] for r in ("prefill", "decode")}
-        return PolicyRouter(LivePolicy(pairs["prefill"], pairs["decode"], profile,
-                                       cluster.hbm_bytes // kv_per_token, policy="rr"))
-    from dualpath.scheduler.core import Scheduler
-    from testbed.cluster import CONDUCTOR_IP
-    from testbed.scheduling import ServiceRouter
-
     return ServiceRouter(cluster, Scheduler(profile, path_policy="split" if mode == "dualpath-split" else "shorter"),
                          CONDUCTOR_IP)
 
