@@ -186,6 +186,12 @@ class Cluster:
             c.close()
         self.clients.clear()
         self.loaders.clear()
+        if not self.loop.is_closed():  # whatever still runs on the loop (reply readers, a failed
+            pending = asyncio.all_tasks(self.loop)  # run's requests) ends before the loop goes
+            for t in pending:
+                t.cancel()
+            if pending:
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=5))
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
