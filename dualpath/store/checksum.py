@@ -16,6 +16,11 @@ import zlib
 from typing import Any
 
 from crc32c import crc32c as _crc32c
+from crc32c import hardware_based
+
+# False where the CPU lacks the instruction: crc32c then falls back to a software
+# table, several times slower, and a reader is better off checking on a helper thread.
+HARDWARE_CRC32C: bool = bool(hardware_based)
 
 ALGO_CRC32 = 1  # zlib CRC-32: blocks written before CRC-32C; read only
 ALGO_CRC32C = 2  # CRC-32C: every block written now

@@ -31,6 +31,7 @@ block checked with the wrong algorithm.
 """
 from __future__ import annotations
 
+import select
 import socket
 import struct
 from typing import Any
@@ -86,6 +87,37 @@ def recv_header(sock: socket.socket, *, eof_ok: bool = False) -> dict[str, Any] 
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     return header
+
+
+def peek_header(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
+    """The next frame's header if the whole header has already arrived, with its size on the wire.
+
+    Nothing is consumed and nothing waits: None when the header is not (yet)
+    all there or does not decode, and the caller reads it the ordinary way
+    later, which waits for it or reports the error. Lets a server look one
+    request ahead while it is still answering the previous one.
+    """
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
+        return None
+    try:
+        prefix = sock.recv(_LEN.size, socket.MSG_PEEK)  # readable: returns at once
+        if len(prefix) < _LEN.size:
+            return None
+        (length,) = _LEN.unpack(prefix)
+        if length > MAX_HEADER_BYTES:
+            return None
+        raw = sock.recv(_LEN.size + length, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return None
+    if len(raw) < _LEN.size + length:
+        return None
+    try:
+        header = msgpack.unpackb(raw[_LEN.size :], raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types; recv_header reports it
+        return None
+    return (header, len(raw)) if isinstance(header, dict) else None
 
 
 def parse_address(addr: str | tuple[str, int]) -> tuple[str, int]:

@@ -3,9 +3,10 @@
 One thread per connection (requests on a connection are answered in order, so
 a client may pipeline them); a bounded number of connections; payloads are
 streamed in fixed chunks borrowed from a bounded pool, and get replies go out
-with sendfile() straight from the block file. Memory is therefore bounded by
-max_conns * (small per-connection buffer) + max_inflight_bytes, whatever the
-clients send.
+with sendfile() straight from the block file, whose disk reads were started a
+few MiB ahead (READAHEAD_BYTES), on into the client's next mget. Memory is
+therefore bounded by max_conns * (small per-connection buffer) +
+max_inflight_bytes, whatever the clients send.
 
     python -m emulators.kvstore.server --listen 127.0.0.1:0 --root DIR --capacity-bytes N
 
@@ -23,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.store.checksum import ALGO_NAMES, WRITE_ALGO
@@ -33,13 +35,29 @@ from dualpath.store.errors import (
     StoreError,
 )
 from dualpath.store.keys import check_key
-from dualpath.store.protocol import MAX_MGET_KEYS, OPS, PROTOCOL_VERSION, format_address, pack_frame, parse_address, recv_header
+from dualpath.store.protocol import (
+    MAX_MGET_KEYS,
+    OPS,
+    PROTOCOL_VERSION,
+    format_address,
+    pack_frame,
+    parse_address,
+    peek_header,
+    recv_exact_into,
+    recv_header,
+)
 
 from .storage import BlockHandle, BlockStore, RecoveryReport
 
 log = logging.getLogger("emulators.kvstore.server")
 
 DRAIN_BYTES = 64 * 1024  # per-connection buffer: fallback for puts when the pool is empty
+# Bytes of upcoming blocks a connection keeps being read from disk ahead of the
+# one it sends. Asking for a whole mget at once (32 MiB and more) made cold reads
+# slower here: the next block's reads queue behind those of blocks needed much
+# later. 8 MiB measured best (cold store reads 1.64 GB/s vs 1.34 all at once,
+# 1.47 at 2 MiB, 1.36 at 32 MiB; 1 MiB blocks, interleaved runs).
+READAHEAD_BYTES = 8 << 20
 MAX_HAS_KEYS = 1024  # a has-request's keys also fit the 64 KiB header limit
 
 
@@ -63,6 +81,38 @@ class _BufferPool:
 
 class _CloseConnection(Exception):
     """The stream can no longer be trusted to be in sync: reply, then hang up."""
+
+
+@dataclass
+class _MgetBatch:
+    """One mget's files, opened; read ahead and sent in key order, each fd closed once used."""
+
+    rid: int
+    keys: list[Any]
+    items: list[int | StoreError | None]  # an open fd, the error to reply, or None once handed on
+    hinted: int = 0  # items[:hinted] have had their reads started (in order)
+    hinted_bytes: int = 0
+    done_bytes: int = 0  # hinted bytes of the items already sent or answered
+    sizes: list[int] = field(default_factory=list)  # bytes hinted per item, for items[:hinted]
+
+    def close(self) -> None:
+        for i, item in enumerate(self.items):
+            self.items[i] = None
+            if isinstance(item, int):
+                os.close(item)
+
+
+def _is_mget(req: dict[str, Any]) -> bool:
+    """A well-formed mget frame (the checks _handle and _mget make before serving one)."""
+    rid, n, keys = req.get("id"), req.get("n", 0), req.get("keys")
+    return (
+        req.get("op") == "mget"
+        and isinstance(rid, int)
+        and isinstance(n, int)
+        and n == 0
+        and isinstance(keys, list)
+        and 0 < len(keys) <= MAX_MGET_KEYS
+    )
 
 
 def _sendfile_all(conn: socket.socket, fd: int, offset: int, count: int, timeout_s: float) -> None:
@@ -103,6 +153,7 @@ class StoreServer:
         verify_reads: bool = False,
         idle_timeout_s: float = 600.0,
         server_id: str = "",
+        readahead_bytes: int = READAHEAD_BYTES,
     ) -> None:
         self.store = BlockStore(root, capacity_bytes, max_block_bytes)
         self.listen = parse_address(listen)
@@ -110,6 +161,9 @@ class StoreServer:
         self.verify_reads = verify_reads
         self.idle_timeout_s = idle_timeout_s
         self.server_id = server_id
+        if readahead_bytes < 0:
+            raise ValueError("readahead_bytes must be >= 0")
+        self.readahead_bytes = readahead_bytes
         self._pool = _BufferPool(chunk_bytes, max_inflight_bytes)
         self._stop = threading.Event()
         self._lsock: socket.socket | None = None
@@ -226,18 +280,22 @@ class StoreServer:
 
     def _serve_conn(self, conn: socket.socket) -> None:
         drain = bytearray(DRAIN_BYTES)
+        ahead: list[_MgetBatch] = []  # at most one: the next mget, taken off the socket early (_send_batch)
         try:
             conn.settimeout(self.idle_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._stop.is_set():
                 try:
-                    req = recv_header(conn, eof_ok=True)
-                except ProtocolError:
-                    return
-                if req is None:
-                    return
-                try:
-                    self._handle(conn, req, drain)
+                    if ahead:  # already taken off the socket: its turn has come
+                        self._send_batch(conn, ahead.pop(), drain, ahead)
+                        continue
+                    try:
+                        req = recv_header(conn, eof_ok=True)
+                    except ProtocolError:
+                        return
+                    if req is None:
+                        return
+                    self._handle(conn, req, drain, ahead)
                 except _CloseConnection:
                     return
         except (OSError, ProtocolError) as exc:
@@ -245,6 +303,8 @@ class StoreServer:
         except Exception:  # a bug must cost one connection, never the server
             log.exception("unexpected error on a connection")
         finally:
+            for batch in ahead:
+                batch.close()
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
@@ -253,7 +313,7 @@ class StoreServer:
     def _reply_error(self, conn: socket.socket, rid: Any, err: StoreError) -> None:
         conn.sendall(pack_frame({"id": rid, "ok": False, "err": err.code, "msg": str(err), "key": err.key}))
 
-    def _handle(self, conn: socket.socket, req: dict[str, Any], drain: bytearray) -> None:
+    def _handle(self, conn: socket.socket, req: dict[str, Any], drain: bytearray, ahead: list[_MgetBatch]) -> None:
         rid, op, n = req.get("id"), req.get("op"), req.get("n", 0)
         if not isinstance(rid, int) or not isinstance(n, int) or n < 0:
             self._reply_error(conn, rid if isinstance(rid, int) else -1, BadRequestError("request needs an int id and n >= 0"))
@@ -269,7 +329,7 @@ class StoreServer:
                 self._get(conn, rid, req.get("key"), drain)
                 return
             if op == "mget":
-                self._mget(conn, rid, req, drain)
+                self._mget(conn, rid, req, drain, ahead)
                 return
             if op == "has":
                 keys = req.get("keys")
@@ -289,47 +349,94 @@ class StoreServer:
         except StoreError as err:
             self._reply_error(conn, rid, err)
 
-    def _mget(self, conn: socket.socket, rid: int, req: dict[str, Any], scratch: bytearray) -> None:
-        """Several gets in one frame; replies carry ids rid, rid+1, ... in key order.
-
-        Knowing the whole batch lets the server ask the kernel to start reading
-        every block at once (WILLNEED), so a cold read keeps the disk busy with
-        a queue of requests instead of waiting on one file at a time. Each
-        file is opened once; the batch's open files are bounded by
-        MAX_MGET_KEYS per connection.
-        """
-        keys = req.get("keys")
-        if not isinstance(keys, list) or not 0 < len(keys) <= MAX_MGET_KEYS:
+    def _mget(self, conn: socket.socket, rid: int, req: dict[str, Any], scratch: bytearray, ahead: list[_MgetBatch]) -> None:
+        """Several gets in one frame; replies carry ids rid, rid+1, ... in key order."""
+        if not _is_mget(req):
             # The client waits for one reply per key it thinks it asked for: hang up rather than let it wait.
             self._reply_error(conn, rid, BadRequestError(f"mget needs a list of 1..{MAX_MGET_KEYS} keys"))
             raise _CloseConnection
-        # Open and prefetch the whole batch first, then validate and send in order.
-        opened: list[int | StoreError | None] = []
+        self._send_batch(conn, self._open_batch(rid, req["keys"]), scratch, ahead)
+
+    def _open_batch(self, rid: int, keys: list[Any]) -> _MgetBatch:
+        """Open every file of an mget (a missing or bad key becomes its error reply)."""
+        batch = _MgetBatch(rid, keys, [])
         try:
             for key in keys:
                 try:
-                    fd = self.store.open_fd(check_key(key))
+                    batch.items.append(self.store.open_fd(check_key(key)))
                 except StoreError as err:
-                    opened.append(err)
-                    continue
-                opened.append(fd)
-                self.store.prefetch_fd(fd)
-            for i, key in enumerate(keys):
-                item, opened[i] = opened[i], None  # the handle now owns the fd
+                    batch.items.append(err)
+        except BaseException:
+            batch.close()
+            raise
+        return batch
+
+    def _read_ahead(self, batch: _MgetBatch, i: int, ahead: list[_MgetBatch]) -> None:
+        """Start the disk reads (WILLNEED) of the blocks from batch.items[i] on, in send
+        order (on into the batch ahead), until about readahead_bytes are being read.
+
+        Knowing the coming blocks keeps the disk busy with a queue of requests
+        on a cold read instead of waiting on one file at a time; keeping that
+        queue short gets the block needed next first.
+        """
+        batches = [batch, *ahead]
+        pending = sum(b.hinted_bytes - b.done_bytes for b in batches)
+        for b in batches:
+            # Block i itself always: its hint's size is what done_bytes counts once it is sent.
+            while b.hinted < len(b.items) and (pending < self.readahead_bytes or (b is batch and b.hinted <= i)):
+                item = b.items[b.hinted]
+                size = self.store.prefetch_fd(item) if isinstance(item, int) else 0
+                b.sizes.append(size)
+                b.hinted += 1
+                b.hinted_bytes += size
+                pending += size
+
+    def _send_batch(self, conn: socket.socket, batch: _MgetBatch, scratch: bytearray, ahead: list[_MgetBatch]) -> None:
+        """Validate and send a batch's blocks in order; closes the batch.
+
+        Before each block it looks for the client's next mget already waiting
+        on the socket and, if there is one, opens it at once, so that reading
+        ahead runs on into it: otherwise a batch's disk reads would only start
+        once the previous batch had been sent in full, and a cold read would
+        alternate between waiting on the disk and on the network instead of
+        overlapping them (1 MiB blocks: 1.16 vs 0.89 GB/s here). One batch
+        ahead at most, so a connection holds at most 2 * MAX_MGET_KEYS open
+        files.
+        """
+        try:
+            for i, key in enumerate(batch.keys):
+                if not ahead:
+                    nxt = self._early_mget(conn)
+                    if nxt is not None:
+                        ahead.append(nxt)
+                self._read_ahead(batch, i, ahead)
+                item, batch.items[i] = batch.items[i], None  # the handle now owns the fd
+                batch.done_bytes += batch.sizes[i]
                 if isinstance(item, StoreError):
-                    self._reply_error(conn, rid + i, item)
+                    self._reply_error(conn, batch.rid + i, item)
                     continue
                 assert isinstance(item, int)
                 try:
                     handle = self.store.check_block(key, item)
                 except StoreError as err:
-                    self._reply_error(conn, rid + i, err)
+                    self._reply_error(conn, batch.rid + i, err)
                     continue
-                self._send_block(conn, rid + i, handle, scratch)
+                self._send_block(conn, batch.rid + i, handle, scratch)
         finally:
-            for item in opened:
-                if isinstance(item, int):
-                    os.close(item)
+            batch.close()
+
+    def _early_mget(self, conn: socket.socket) -> _MgetBatch | None:
+        """The next request, its files opened, if it is an mget that has fully arrived; else None.
+
+        Anything else (another op, a frame still arriving, a malformed one)
+        stays on the socket for the ordinary path, in order.
+        """
+        peeked = peek_header(conn)
+        if peeked is None or not _is_mget(peeked[0]):
+            return None
+        req, size = peeked
+        recv_exact_into(conn, memoryview(bytearray(size)))  # consume exactly the peeked frame
+        return self._open_batch(req["id"], req["keys"])
 
     def _get(self, conn: socket.socket, rid: int, key: Any, scratch: bytearray) -> None:
         try:

@@ -173,12 +173,17 @@ class BlockStore:
             raise _os_error(exc, "opening", key) from None
 
     @staticmethod
-    def prefetch_fd(fd: int) -> None:
-        """Ask the kernel to start reading the whole file now (asynchronously); only a hint."""
+    def prefetch_fd(fd: int) -> int:
+        """Ask the kernel to start reading the whole file now (asynchronously); only a hint.
+
+        Returns the bytes asked for (the file's size; 0 if the hint failed).
+        """
         try:
+            size = os.fstat(fd).st_size
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
-            pass
+            return 0
+        return size
 
     @staticmethod
     def check_block(key: str, fd: int) -> BlockHandle:
