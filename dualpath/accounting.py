@@ -23,7 +23,8 @@ read toward an engine is host-port tx then CNIC rx; an SNIC writes into DRAM wit
     "all I/O skipped"). split reads Hp of the hit bytes on the PE path and Hd = H - Hp on the DE
     path: PE path(Hp, M) + DE path(Hd, 0), i.e. the miss KV travels once, with the PE part.
     chunked prefill adds, on any path, R: the past KV (hits and earlier chunks) that each later
-    chunk READs back from the DE buffer: DE host port -> PE CNIC (R).
+    chunk READs back from the DE buffer: DE host port -> PE CNIC (R). And the decode engine reads
+    again, DE host port -> DE CNIC (Rd), the layers whose CRC showed a WRITE not yet applied.
 
 Summing the hops per (NIC, direction) gives DESIGN.md's table; tests/test_accounting.py holds the
 table as independent expectations. `expected_totals` maps per-request records onto the concrete
@@ -117,7 +118,7 @@ class Bytes:
     def __str__(self) -> str:
         if not self.terms:
             return "0"
-        order = {"H": 0, "Hp": 1, "Hd": 2, "M": 3, "W": 4}
+        order = {"H": 0, "Hp": 1, "Hd": 2, "M": 3, "W": 4, "R": 5, "Rd": 6}
         parts = [(f"{v}{n}" if v != 1 else n) for n, v in sorted(self.terms, key=lambda t: order.get(t[0], 9))]
         return "+".join(parts).replace("+-", "-")
 
@@ -151,8 +152,9 @@ DE_PATH = (
     Hop(M, Nic.PE_CNIC, Nic.DE_HOST, "per layer, only the miss KV back to the DE buffer (merged there)"),
     Hop(H + M, Nic.DE_HOST, Nic.DE_CNIC, "H2D of the whole prompt KV into DE HBM"),
 )
-CHUNK_REREAD = (
+REREADS = (
     Hop(Bytes.var("R"), Nic.DE_HOST, Nic.PE_CNIC, "chunked prefill: a later chunk READs its past KV from the DE buffer"),
+    Hop(Bytes.var("Rd"), Nic.DE_HOST, Nic.DE_CNIC, "decode: layers READ again until their CRC matches"),
 )
 WRITEBACK = (
     Hop(W, Nic.DE_CNIC, Nic.DE_HOST, "D2H of each new Full Block into the DE buffer"),
@@ -171,7 +173,7 @@ PATHS: dict[str, tuple[Hop, ...]] = {
     "layerwise": PE_PATH,
     "oracle": (),
     "writeback": WRITEBACK,
-    "chunks": CHUNK_REREAD,
+    "rereads": REREADS,
 }
 
 
@@ -196,14 +198,14 @@ def symbolic(path) -> dict[tuple[Nic, str], Bytes]:
 
 
 def expected_bytes(path, H: int = 0, M: int = 0, W: int = 0, *, h_pe: int | None = None,
-                   R: int = 0) -> dict[tuple[Nic, str], int]:
+                   R: int = 0, Rd: int = 0) -> dict[tuple[Nic, str], int]:
     """Bytes each NIC sends (tx) and receives (rx) for one transfer of the given path, every
-    (NIC, direction) present. W only matters for "writeback", R for "chunks"; h_pe (hit bytes
-    read on the PE side) only for "split"."""
+    (NIC, direction) present. W only matters for "writeback", R and Rd for "rereads"; h_pe
+    (hit bytes read on the PE side) only for "split"."""
     name = _name(path)
-    if min(H, M, W, R) < 0:
+    if min(H, M, W, R, Rd) < 0:
         raise ValueError("byte counts must be >= 0")
-    values = {"H": H, "M": M, "W": W, "R": R}
+    values = {"H": H, "M": M, "W": W, "R": R, "Rd": Rd}
     if name == "split":
         if h_pe is None or not 0 <= h_pe <= H:
             raise ValueError(f"split needs 0 <= h_pe <= H, got h_pe={h_pe!r}, H={H}")
@@ -233,6 +235,7 @@ class RequestBytes:
     de_engine: str | None = None
     h_pe: int | None = None  # split only: hit bytes read on the PE side
     R: int = 0  # chunked prefill: past KV bytes later chunks read back from the DE buffer
+    Rd: int = 0  # bytes the decode engine read again (a WRITE not yet applied when it first read)
 
 
 STORAGE_OWNER = "storage"  # all storage servers together (blocks are striped over them)
@@ -241,13 +244,13 @@ STORAGE_OWNER = "storage"  # all storage servers together (blocks are striped ov
 def request_bytes(r: RequestBytes) -> dict[tuple[Nic, str], int]:
     """The request's path bytes plus its write-back (none under oracle)."""
     name = _name(r.path)
-    if name in ("writeback", "chunks"):
-        raise ValueError("a request's path is its read path; write-back and chunk reads are added from W and R")
+    if name in ("writeback", "rereads"):
+        raise ValueError("a request's path is its read path; write-back and re-reads are added from W, R and Rd")
     out = expected_bytes(name, r.H, r.M, h_pe=r.h_pe)
     if name != "oracle":
         for k, v in expected_bytes("writeback", W=r.W).items():
             out[k] += v
-        for k, v in expected_bytes("chunks", R=r.R).items():
+        for k, v in expected_bytes("rereads", R=r.R, Rd=r.Rd).items():
             out[k] += v
     return out
 

@@ -278,6 +278,9 @@ def _demo_checkpoint() -> Path:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
+    # Ctrl-C must tear down even when started from a script in the background, where the
+    # shell hands us SIGINT ignored (and Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from testbed.cluster import ProcessFailed
     from testbed.shell import CommandError
 

@@ -126,7 +126,7 @@ def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
     path = "oracle" if mode == "oracle" else r.path
     return RequestBytes(path, r.hit_bytes, r.miss_bytes, r.writeback_bytes, r.pe_node, r.de_node,
                         pe_engine=r.pe, de_engine=r.de, h_pe=r.pe_hit_bytes if path == "split" else None,
-                        R=r.chunk_read_bytes)
+                        R=r.chunk_read_bytes, Rd=r.reread_bytes)
 
 
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,

@@ -65,8 +65,8 @@ def test_read_path_enum_accepted():
 def test_conservation_per_hop(path):
     """Each hop is counted once as its source's tx and once, equal, as its destination's rx, and
     the per-NIC numbers are nothing but the sum of the hops."""
-    R = 3 * H // 2
-    vals = dict(H=H, M=M, W=W, Hp=H // 3, Hd=H - H // 3, R=R)
+    R, Rd = 3 * H // 2, H // 5
+    vals = dict(H=H, M=M, W=W, Hp=H // 3, Hd=H - H // 3, R=R, Rd=Rd)
     by_hand = {(n, d): 0 for n in Nic for d in ("tx", "rx")}
     for h in hops(path):
         assert h.src != h.dst
@@ -74,7 +74,7 @@ def test_conservation_per_hop(path):
         assert v > 0
         by_hand[(h.src, "tx")] += v
         by_hand[(h.dst, "rx")] += v
-    e = expected_bytes(path, H, M, W, h_pe=H // 3, R=R)
+    e = expected_bytes(path, H, M, W, h_pe=H // 3, R=R, Rd=Rd)
     assert e == by_hand
     assert sum(v for (_, d), v in e.items() if d == "tx") == sum(v for (_, d), v in e.items() if d == "rx")
 
@@ -172,12 +172,14 @@ def test_every_node_nic_is_a_fabric_kind():
     assert Nic.STORAGE.kind == "storage_nic"
 
 
-def test_chunked_prefill_adds_its_past_reads_from_the_de_buffer():
-    """A chunked request's later chunks read their past back from the DE buffer: R more bytes
-    leave the DE host port and enter the PE CNIC, on top of the path's own bytes."""
-    R = 5 * M
+def test_rereads_add_their_bytes_on_their_own_hops():
+    """A chunked request's later chunks read their past back from the DE buffer (R: DE host
+    port to PE CNIC); a decode engine that found a layer not yet landed reads it again (Rd: DE
+    host port to DE CNIC). Both come on top of the path's own bytes."""
+    R, Rd = 5 * M, 3 * M
     for path in ("pe", "de", "split"):
-        base = request_bytes(RequestBytes(path, H, M, W, "p0", "d0", h_pe=H // 2 if path == "split" else None))
-        chunked = request_bytes(RequestBytes(path, H, M, W, "p0", "d0", h_pe=H // 2 if path == "split" else None, R=R))
-        diff = {k: chunked[k] - base[k] for k in base if chunked[k] != base[k]}
-        assert diff == {(Nic.DE_HOST, "tx"): R, (Nic.PE_CNIC, "rx"): R}
+        h_pe = H // 2 if path == "split" else None
+        base = request_bytes(RequestBytes(path, H, M, W, "p0", "d0", h_pe=h_pe))
+        more = request_bytes(RequestBytes(path, H, M, W, "p0", "d0", h_pe=h_pe, R=R, Rd=Rd))
+        diff = {k: more[k] - base[k] for k in base if more[k] != base[k]}
+        assert diff == {(Nic.DE_HOST, "tx"): R + Rd, (Nic.PE_CNIC, "rx"): R, (Nic.DE_CNIC, "rx"): Rd}

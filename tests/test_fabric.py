@@ -93,8 +93,11 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _start_runner() -> subprocess.Popen:
+    # Started as a shell script's background job would be: with SIGINT ignored. Ctrl-C (or
+    # kill -INT) must still tear down.
     p = subprocess.Popen([*CLI, "up", str(TOPO), "--hold", "60"], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     line = p.stdout.readline()  # "up in N s" once everything exists
     assert line.startswith("up in"), (line, p.stderr.read() if p.poll() is not None else "")
     return p
