@@ -230,3 +230,18 @@ def test_driven_by_a_simpy_clock():
     for _, _, t, de_at in de_side:
         assert t == de_at  # stamped with simulated time
         assert round(de_at * 10) % 3 == 0  # DE leader pulls at multiples of 0.3 s
+
+
+def test_idle_read_queues_share_the_reads_between_sides():
+    """Reports that say both queues are empty (reads keep up) tie every decision; the reads
+    the scheduler already gave out break the tie, so both SNICs get work."""
+    s = Scheduler(PROFILE)
+    cluster(s)
+    paths = []
+    for i in range(6):
+        s.on_request(req(i))
+        s.pull("pg")
+        [a] = s.pull("dg")
+        paths.append(a.path)
+        cluster(s)  # fresh reports: the reads finished, both queues are empty again
+    assert paths == [ReadPath.PE, ReadPath.DE] * 3

@@ -21,8 +21,23 @@ def test_chosen_path_is_the_shorter_queue(p, d):
         assert chosen < other
 
 
-def test_ties_go_to_pe_and_policy_moves_all_blocks():
+def test_ties_go_to_the_side_given_less_so_far_then_pe():
     assert shorter_queue(5, 5) is ReadPath.PE
+    assert shorter_queue(5, 5, pe_read_total=100, de_read_total=40) is ReadPath.DE
+    assert shorter_queue(5, 5, pe_read_total=40, de_read_total=100) is ReadPath.PE
+    assert shorter_queue(6, 5, pe_read_total=0, de_read_total=10**9) is ReadPath.DE  # only on ties
+    # an idle cluster alternates instead of loading the PE side's SNIC alone
+    s, p, d = ShorterQueue(), NodeState("p"), NodeState("d")
+    paths = []
+    for _ in range(6):
+        dec = s.decide(4, 100, p, d)
+        paths.append(dec.path)
+        p.read_total += dec.pe_blocks * 100
+        d.read_total += dec.de_blocks * 100
+    assert paths == [ReadPath.PE, ReadPath.DE] * 3
+
+
+def test_policy_moves_all_blocks():
     dec = ShorterQueue().decide(7, 100, NodeState("p", read_q=10), NodeState("d", read_q=9))
     assert (dec.path, dec.pe_blocks, dec.de_blocks) == (ReadPath.DE, 0, 7)
 

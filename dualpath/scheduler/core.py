@@ -212,10 +212,12 @@ class Scheduler:
             d = policy.decide(self.n_hit_blocks(req), block_bytes, pe.node, de.node)
             # Count the reads at once so the next decision sees them; the PE side's share is
             # inflight until the PE leader receives it, the DE side's is delivered right now.
-            pe_bytes = d.pe_blocks * block_bytes
+            pe_bytes, de_bytes = d.pe_blocks * block_bytes, d.de_blocks * block_bytes
             pe.node.read_q += pe_bytes
             pe.node.inflight_read += pe_bytes
-            de.node.read_q += d.de_blocks * block_bytes
+            de.node.read_q += de_bytes
+            pe.node.read_total += pe_bytes
+            de.node.read_total += de_bytes
             a = Assignment(
                 req, pe.engine_id, pe.node.node_id, pe.group_id,
                 de.engine_id, de.node.node_id, de.group_id,

@@ -13,10 +13,13 @@ from typing import Protocol
 from .records import NodeState, PathDecision, ReadPath
 
 
-def shorter_queue(pe_read_q: float, de_read_q: float) -> ReadPath:
-    """The paper's rule. Ties go to the PE side, the conventional path, so an idle cluster
-    behaves like the single-path baseline."""
-    return ReadPath.DE if de_read_q < pe_read_q else ReadPath.PE
+def shorter_queue(pe_read_q: float, de_read_q: float, pe_read_total: float = 0, de_read_total: float = 0) -> ReadPath:
+    """The paper's rule. Equal queues (in a cluster that is not I/O-bound, mostly both empty)
+    go to the side that was given fewer bytes to read so far, then to the PE side: always
+    the PE side would load its SNIC alone whenever reads keep up."""
+    if de_read_q != pe_read_q:
+        return ReadPath.DE if de_read_q < pe_read_q else ReadPath.PE
+    return ReadPath.DE if de_read_total < pe_read_total else ReadPath.PE
 
 
 def finish_times(
@@ -77,7 +80,7 @@ class ShorterQueue:
     name = "shorter"
 
     def decide(self, n_blocks: int, block_bytes: float, pe_node: NodeState, de_node: NodeState) -> PathDecision:
-        return _whole(shorter_queue(pe_node.read_q, de_node.read_q), n_blocks)
+        return _whole(shorter_queue(pe_node.read_q, de_node.read_q, pe_node.read_total, de_node.read_total), n_blocks)
 
 
 class RoundRobin:

@@ -70,6 +70,7 @@ class NodeState:
     node_id: str
     read_q: int = 0  # estimated pending read bytes: last report + inflight_read
     inflight_read: int = 0  # bytes assigned to this node's SNIC but not yet delivered to it
+    read_total: int = 0  # bytes the scheduler has given this node to read, ever (breaks ties)
 
 
 @dataclass(slots=True, eq=False)
