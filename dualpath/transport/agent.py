@@ -214,7 +214,44 @@ class Transfer:
                 pass
 
 
-class Agent:
+class NotificationInbox:
+    """Notifications by sender, for an agent that fills `_notifs` in `_pull_notifs()`."""
+
+    name: str
+    timeout_s: float
+    _notifs: dict[str, list[bytes]]
+    _where = ""  # said in a timeout's message: where the inbox looked
+
+    def _pull_notifs(self) -> None:
+        raise NotImplementedError
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Every notification received since the last call, by sender name."""
+        self._pull_notifs()
+        out = {p: m for p, m in self._notifs.items() if m}
+        self._notifs = {}
+        return out
+
+    def wait_notif(self, peer: str, msg: bytes | str, *, prefix: bool = False,
+                   timeout: float | None = None) -> bytes:
+        """Wait for a notification from `peer` equal to (or starting with) `msg`; consume it."""
+        want = msg.encode() if isinstance(msg, str) else msg
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pull_notifs()
+            box = self._notifs.get(peer, [])
+            for i, m in enumerate(box):
+                if m == want or (prefix and m.startswith(want)):
+                    return box.pop(i)
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"agent {self.name!r}: no notification {want!r} from peer {peer!r} within "
+                    f"{timeout:.1f} s{self._where} (got {[bytes(m) for m in box][:5]})")
+            time.sleep(0.0005)
+
+
+class Agent(NotificationInbox):
     """A NIXL agent bound to one interface and one traffic class.
 
     Args:
@@ -471,31 +508,6 @@ class Agent:
             if isinstance(peer, bytes):
                 peer = peer.decode()
             self._notifs.setdefault(peer, []).extend(msgs)
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        """Every notification received since the last call, by sender name."""
-        self._pull_notifs()
-        out = {p: m for p, m in self._notifs.items() if m}
-        self._notifs = {}
-        return out
-
-    def wait_notif(self, peer: str, msg: bytes | str, *, prefix: bool = False,
-                   timeout: float | None = None) -> bytes:
-        """Wait for a notification from `peer` equal to (or starting with) `msg`; consume it."""
-        want = msg.encode() if isinstance(msg, str) else msg
-        timeout = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            self._pull_notifs()
-            box = self._notifs.get(peer, [])
-            for i, m in enumerate(box):
-                if m == want or (prefix and m.startswith(want)):
-                    return box.pop(i)
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"agent {self.name!r}: no notification {want!r} from peer {peer!r} within "
-                    f"{timeout:.1f} s (got {[bytes(m) for m in box][:5]})")
-            time.sleep(0.0005)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -32,7 +32,6 @@ on TCP that carries a class other than kv refuses to start where it is not reser
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Iterable, Mapping
 
 import msgpack
@@ -44,10 +43,10 @@ from .agent import (
     DEFAULT_PROGRESS_DELAY_US,
     DEFAULT_TIMEOUT_S,
     Agent,
+    NotificationInbox,
     Region,
     Transfer,
     TransferStats,
-    TransferTimeout,
     _user_env,
 )
 from .env import TransportError, UcxEnvError
@@ -88,7 +87,7 @@ def _per_class(value: Any, cls: str, default: Any) -> Any:
     return default if value is None else value
 
 
-class MultiClassAgent:
+class MultiClassAgent(NotificationInbox):
     """One endpoint, one NIXL agent per traffic class; the class is chosen per transfer.
 
     Args:
@@ -153,6 +152,7 @@ class MultiClassAgent:
                 a.close()
             raise
         self.classes: tuple[str, ...] = tuple(names)
+        self._where = f" in any of {list(self.classes)}"
         # peer name -> {class: that class agent's NIXL name}; and back, for notifications
         self._peers: dict[str, dict[str, str]] = {}
         self._base: dict[str, str] = {}
@@ -307,31 +307,6 @@ class MultiClassAgent:
         for a in self._agents.values():
             for sender, msgs in a.get_notifs().items():
                 self._notifs.setdefault(self._base.get(sender, sender), []).extend(msgs)
-
-    def get_notifs(self) -> dict[str, list[bytes]]:
-        """Every notification received since the last call, by sender name, all classes merged."""
-        self._pull_notifs()
-        out = {p: m for p, m in self._notifs.items() if m}
-        self._notifs = {}
-        return out
-
-    def wait_notif(self, peer: str, msg: bytes | str, *, prefix: bool = False,
-                   timeout: float | None = None) -> bytes:
-        """Wait for a notification from `peer` (any class) equal to (or starting with) `msg`."""
-        want = msg.encode() if isinstance(msg, str) else msg
-        timeout = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            self._pull_notifs()
-            box = self._notifs.get(peer, [])
-            for i, m in enumerate(box):
-                if m == want or (prefix and m.startswith(want)):
-                    return box.pop(i)
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"agent {self.name!r}: no notification {want!r} from peer {peer!r} within "
-                    f"{timeout:.1f} s in any of {list(self.classes)} (got {[bytes(m) for m in box][:5]})")
-            time.sleep(0.0005)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
