@@ -18,6 +18,7 @@ from dualpath.store.checksum import ALGO_CRC32, ALGO_CRC32C, WRITE_ALGO, checksu
 from dualpath.store.protocol import pack_frame, recv_header
 from emulators.kvstore.blockfile import HEADER_SIZE, decode_header, encode_header
 from emulators.kvstore.server import StoreServer
+from tests.store_helpers import block_path, make_server, raw_request, server  # noqa: F401 (fixtures)
 
 BB = 64 * 1024
 
@@ -28,28 +29,6 @@ def block(i: int) -> bytes:
 
 def keys_for(n: int, seed: int = 0) -> list[str]:
     return chain_keys(np.arange(seed, seed + 4 * n), 4, namespace=b"checksum-tests")
-
-
-@pytest.fixture
-def server(tmp_path: Path):
-    srv = StoreServer(tmp_path / "s0", 1 << 30, ("127.0.0.1", 0))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def block_path(srv: StoreServer, key: str) -> Path:
-    return srv.store.blocks_dir / key[:2] / key
-
-
-def raw_request(addr, header: dict, payload: bytes = b"") -> dict:
-    with socket.create_connection(addr, timeout=10) as s:
-        s.sendall(pack_frame(header) + payload)
-        reply = recv_header(s)
-        assert reply is not None
-        return reply
 
 
 def test_checksum_algorithms_are_the_standard_ones():

@@ -17,6 +17,7 @@ import pytest
 from dualpath.store import StoreClient, chain_keys
 from dualpath.store.protocol import pack_frame, recv_exact_into, recv_header
 from emulators.kvstore.server import StoreServer
+from tests.store_helpers import make_server, server  # noqa: F401 (fixtures)
 
 BB = 32 * 1024
 
@@ -27,16 +28,6 @@ def block(i: int) -> bytes:
 
 def keys_for(n: int, seed: int = 0) -> list[str]:
     return chain_keys(np.arange(seed, seed + 4 * n), 4, namespace=b"lookahead-tests")
-
-
-@pytest.fixture
-def server(tmp_path: Path):
-    srv = StoreServer(tmp_path / "s0", 1 << 30, ("127.0.0.1", 0))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture

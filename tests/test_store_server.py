@@ -29,10 +29,11 @@ from dualpath.store import (
     chain_keys,
     server_index,
 )
-from dualpath.store.protocol import pack_frame, recv_header
+from dualpath.store.protocol import pack_frame
 from emulators.kvstore import storage as storage_mod
 from emulators.kvstore.blockfile import HEADER_SIZE
 from emulators.kvstore.server import StoreServer
+from tests.store_helpers import make_server, server, block_path, raw_request  # noqa: F401 (fixtures)
 
 BB = 64 * 1024  # block bytes for these tests
 
@@ -46,46 +47,12 @@ def keys_for(n: int, seed: int = 0) -> list[str]:
 
 
 @pytest.fixture
-def make_server(tmp_path: Path):
-    started: list[StoreServer] = []
-
-    def make(name: str = "s0", capacity: int = 1 << 30, **kw) -> StoreServer:
-        srv = StoreServer(tmp_path / name, capacity, ("127.0.0.1", 0), **kw)
-        srv.start()
-        started.append(srv)
-        return srv
-
-    try:
-        yield make
-    finally:
-        for srv in started:
-            srv.stop()
-
-
-@pytest.fixture
-def server(make_server) -> StoreServer:
-    return make_server()
-
-
-@pytest.fixture
 def client(server: StoreServer):
     c = StoreClient([server.address], BB)
     try:
         yield c
     finally:
         c.close()
-
-
-def block_path(srv: StoreServer, key: str) -> Path:
-    return srv.store.blocks_dir / key[:2] / key
-
-
-def raw_request(addr, header: dict, payload: bytes = b"") -> dict:
-    with socket.create_connection(addr, timeout=10) as s:
-        s.sendall(pack_frame(header) + payload)
-        reply = recv_header(s)
-        assert reply is not None
-        return reply
 
 
 # ---- basics ---------------------------------------------------------------
