@@ -29,7 +29,7 @@ from dualpath.scheduler.batching import BatchEntry, PrefillItem, pack_batch
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
-from testbed.routing import RoundRobinRouter, Route, Router
+from testbed.routing import RoundRobinRouter, Router
 
 MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "dualpath-split", "oracle")
 

@@ -194,7 +194,6 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         for r in ok:
             pe_att[r.pe] = pe_att.get(r.pe, 0.0) + r.attention_s
         acc_bad = [r for r in per_nic if not r["ok"]]
-        layer_bytes = [kv_bytes(geom, r.n_hit) // geom.n_layer for r in ok if r.n_hit and r.path != "none"]
         peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
         out["modes"][res.mode] = {
             "requests": len(res.records), "errors": len(res.records) - len(ok),

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.store_helpers"]  # the store tests' server fixtures
+
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "testbed.cli"]
 

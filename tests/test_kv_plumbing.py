@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -10,7 +9,7 @@ import zmq
 from hypothesis import given, settings, strategies as st
 
 from dualpath.buffers import ByteAllocator, OutOfSpace
-from dualpath.control import ControlError, RpcClient, RpcServer, pack, unpack
+from dualpath.control import ControlError, RpcClient, pack, unpack
 from dualpath.kv_spans import token_rows_descs
 from dualpath.layouts import BlockGeometry, full_block_view, pack_rows
 

@@ -18,7 +18,7 @@ from dualpath.store.checksum import ALGO_CRC32, ALGO_CRC32C, WRITE_ALGO, checksu
 from dualpath.store.protocol import pack_frame, recv_header
 from emulators.kvstore.blockfile import HEADER_SIZE, decode_header, encode_header
 from emulators.kvstore.server import StoreServer
-from tests.store_helpers import block_path, make_server, raw_request, server  # noqa: F401 (fixtures)
+from tests.store_helpers import block_path, raw_request
 
 BB = 64 * 1024
 

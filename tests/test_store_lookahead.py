@@ -17,7 +17,6 @@ import pytest
 from dualpath.store import StoreClient, chain_keys
 from dualpath.store.protocol import pack_frame, recv_exact_into, recv_header
 from emulators.kvstore.server import StoreServer
-from tests.store_helpers import make_server, server  # noqa: F401 (fixtures)
 
 BB = 32 * 1024
 

@@ -33,7 +33,7 @@ from dualpath.store.protocol import pack_frame
 from emulators.kvstore import storage as storage_mod
 from emulators.kvstore.blockfile import HEADER_SIZE
 from emulators.kvstore.server import StoreServer
-from tests.store_helpers import make_server, server, block_path, raw_request  # noqa: F401 (fixtures)
+from tests.store_helpers import block_path, raw_request
 
 BB = 64 * 1024  # block bytes for these tests
 

@@ -24,7 +24,7 @@ from .de_assign import GroupBalancer, assign_de_in_group, distribute_to_groups
 from .pe_assign import assign_pe
 from .read_path import PathPolicy, PeOnly, RoundRobin, ShorterQueue, Split
 from .records import (
-    Assignment, EngineReport, EngineState, GroupState, NodeState, ReadPath, Request, Role,
+    Assignment, EngineReport, EngineState, GroupState, NodeState, Request, Role,
 )
 from .thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile, Thresholds
 
