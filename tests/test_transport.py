@@ -413,14 +413,18 @@ def _install_dscp_marking(ns: str) -> None:
   }}
 }}
 """
-    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, text=True,
+    _nft(ns, rules)
+
+
+def _nft(ns: str, script: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, text=True,
                    check=True, capture_output=True, timeout=30)
 
 
-def _dscp_counters(ns: str) -> tuple[int, int]:
+def _dscp_counters(ns: str, table: str = NFT_TABLE) -> tuple[int, int]:
     """(bytes of TCP that arrived with the kv DSCP, bytes of other TCP), control excluded."""
     out = json.loads(_sh("ip", "netns", "exec", ns, "nft", "-j", "list", "chain", "inet",
-                         NFT_TABLE, "in").stdout)["nftables"]
+                         table, "in").stdout)["nftables"]
     counts = [e["counter"]["bytes"] for r in out if "rule" in r
               for e in r["rule"]["expr"] if "counter" in e]
     assert len(counts) == 2, out
@@ -516,19 +520,10 @@ NFT_CLASS_TABLE = "dpt_xc"
 SHAPE_BPS = 10_000_000_000  # HTB with the fabric's two classes, far above what the CPUs move
 
 
-def _nft(ns: str, script: str) -> None:
-    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, text=True,
-                   check=True, capture_output=True, timeout=30)
-
-
 def _class_counters_in(ns: str) -> dict[str, int]:
     """Bytes of TCP that arrived in `ns` with the kv DSCP and with any other (control excluded)."""
-    out = json.loads(_sh("ip", "netns", "exec", ns, "nft", "-j", "list", "chain", "inet",
-                         NFT_CLASS_TABLE, "in").stdout)["nftables"]
-    counts = [e["counter"]["bytes"] for r in out if "rule" in r
-              for e in r["rule"]["expr"] if "counter" in e]
-    assert len(counts) == 2, out
-    return {KV.name: counts[0], MODEL.name: counts[1]}
+    kv, other = _dscp_counters(ns, NFT_CLASS_TABLE)
+    return {KV.name: kv, MODEL.name: other}
 
 
 def _htb_class_bytes(ns: str, dev: str) -> dict[str, int]:
