@@ -68,10 +68,16 @@ class RpcServer:
         except Exception as e:  # a failed command must not take the process down
             return {"ok": False, "error": f"{msg['cmd']}: {type(e).__name__}: {e}"}
 
-    def serve(self, max_seconds: float = 24 * 3600) -> None:
+    def serve(self, max_seconds: float = 24 * 3600, idle: Callable[[], None] | None = None,
+              idle_every_s: float = 0.01) -> None:
+        """Serve until `shutdown` or the deadline; call `idle()` about every `idle_every_s`
+        while no request is waiting (the owner's housekeeping, e.g. progressing its transport)."""
         deadline = time.monotonic() + max_seconds
+        timeout_ms = max(1, int(idle_every_s * 1000)) if idle else 1000
         while time.monotonic() < deadline:
-            if not self.sock.poll(1000):
+            if not self.sock.poll(timeout_ms):
+                if idle:
+                    idle()
                 continue
             payload = self.sock.recv()
             reply = self.handle(payload)

@@ -126,7 +126,7 @@ def main() -> None:
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}", handlers)
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
-        server.serve()
+        server.serve(idle=agent.progress)  # no progress thread here: keep peers' endpoints settled
     finally:
         agent.close()
 

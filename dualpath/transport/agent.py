@@ -225,6 +225,18 @@ class NotificationInbox:
     def _pull_notifs(self) -> None:
         raise NotImplementedError
 
+    def progress(self) -> None:
+        """Advance this agent's UCX worker once (an agent without a progress thread calls it
+        when idle).
+
+        UCX's TCP connection setup needs both sides to progress. NIXL opens an endpoint to every
+        peer whose metadata it loads, so a peer that never progresses leaves those endpoints
+        half set up, waiting for socket writability: their owner's progress thread then finds
+        its event fd ready on every poll and spins a whole core (measured here: both cores
+        taken by two idle host agents until the engines progressed).
+        """
+        self._pull_notifs()
+
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Every notification received since the last call, by sender name."""
         self._pull_notifs()
