@@ -55,8 +55,10 @@ def _fabric(topo):
 
 @app.command()
 def topo(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML")) -> None:
-    """Validate a topology file and show its emulated rates and P/D bounds."""
-    for line in _topology(topology).describe():
+    """Validate a topology file; show its emulated rates, P/D bounds, target and time scale."""
+    from dualpath.model.tiny import DEMO_KV_BYTES_PER_TOKEN
+
+    for line in _topology(topology).describe(DEMO_KV_BYTES_PER_TOKEN):
         typer.echo(line)
 
 
@@ -240,7 +242,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"  # logs and the store's disk; not results
     run_dir = out / run_id
-    for line in t.describe():
+    for line in t.describe(geom.bytes_per_token_per_layer * geom.n_layer):
         typer.echo(line)
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
                f"shared system prompt {len(wl.system_prompt)} tokens; model {ckpt}; scratch {scratch}")
@@ -251,7 +253,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
                           quota_s=quota_s,
                           buffer_bytes=int(spec.dram_buffer_gib * 2**30), hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
     shutil.rmtree(scratch, ignore_errors=True)  # only reached on success: a failed run keeps its logs
-    summary = summarize(results, wl, geom)
+    summary = summarize(results, wl, geom, t)
     summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,
                     "checkpoint": str(ckpt), "wall_s": round(time.monotonic() - t0, 1),
                     "quota_s": quota_s, "first_turn_tokens": first_turn_tokens,

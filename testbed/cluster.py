@@ -9,6 +9,7 @@ the model class) as it would in a real cluster.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from dualpath.agents.common import load_port
+from dualpath.agents.common import decode_port, load_port
 from dualpath.control import AsyncRpcClient, RpcClient
 from dualpath.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
@@ -88,14 +89,19 @@ class Cluster:
     """Node processes on a Fabric. Use as a context manager: stop() always runs."""
 
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
-                 buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp"):
+                 buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp",
+                 timing: dict | None = None):
+        """`timing`: the engines' emulated clock ({dilation, prefill, decode}: the target's cost
+        models as dicts); None keeps the host's own time."""
         self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
+        self.timing = timing
         self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
         self.transport = transport  # "rdma" without RDMA devices fails at start, never falls back
         self.stores: list[ServerProcess] = []
         self.procs: dict[str, NodeProcess] = {}
         self.clients: dict[str, RpcClient] = {}
         self.loaders: dict[str, AsyncRpcClient] = {}  # host agents' read queues
+        self.decoders: dict[str, AsyncRpcClient] = {}  # decode engines' decode sockets
         self.transports: dict[str, str] = {}
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
@@ -106,7 +112,8 @@ class Cluster:
     # -- lookup --------------------------------------------------------------------------------
     def control_bytes(self) -> int:
         """Control-plane bytes the conductor has sent and received so far."""
-        return sum(c.sent_bytes + c.recv_bytes for c in (*self.clients.values(), *self.loaders.values()))
+        return sum(c.sent_bytes + c.recv_bytes
+                   for c in (*self.clients.values(), *self.loaders.values(), *self.decoders.values()))
 
     def engines(self, role: str) -> list[str]:
         return [n for n, p in self.procs.items() if p.role == role]
@@ -135,7 +142,8 @@ class Cluster:
                 nic = ep.nic("cnic")
                 self._spawn(ep, ep.role, "dualpath.agents.engine", nic.dev, nic.ip, [
                     "--role", ep.role, "--checkpoint", str(self.checkpoint),
-                    "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size)])
+                    "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size),
+                    *(["--timing", json.dumps(self.timing)] if self.timing else [])])
         for p in self.procs.values():
             self.transports[p.name] = p.wait_ready().split(" ", 2)[2]
         # The conductor's own address on the compute bridge (removed with the bridge).
@@ -161,6 +169,9 @@ class Cluster:
             if p.role == "host":
                 self.loaders[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{load_port(CONTROL_PORT)}",
                                                     p.alive)
+            elif p.role == "decode":
+                self.decoders[name] = AsyncRpcClient(self.ctx, name,
+                                                     f"tcp://{p.endpoint.ip}:{decode_port(CONTROL_PORT)}", p.alive)
         hellos = {n: await c.call("hello", timeout_s=30) for n, c in self.clients.items()}
         metas = {n: h["metadata"] for n, h in hellos.items()}
         rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
@@ -182,10 +193,11 @@ class Cluster:
         return self.loop.run_until_complete(coro)
 
     def stop(self) -> None:
-        for c in (*self.clients.values(), *self.loaders.values()):
+        for c in (*self.clients.values(), *self.loaders.values(), *self.decoders.values()):
             c.close()
         self.clients.clear()
         self.loaders.clear()
+        self.decoders.clear()
         if not self.loop.is_closed():  # whatever still runs on the loop (reply readers, a failed
             pending = asyncio.all_tasks(self.loop)  # run's requests) ends before the loop goes
             for t in pending:

@@ -8,10 +8,16 @@ through its connector), decode on the DE, and persist the newly filled Full
 Blocks. Trajectories run concurrently; each process serves one command at a
 time, so queues form where a real cluster's would.
 
-Prefill goes through a per-PE queue. With a cost model, each forward pass is
-packed under the compute quota and the request that would overflow it is
+Prefill goes through a per-PE queue. Each forward pass is packed under the
+compute quota by the cost model (the target GPU's on an emulated clock, the
+engine's own fit on the CPU's) and the request that would overflow it is
 chunked (dualpath.scheduler.batching); a later chunk reads its past, hits and
-earlier chunks, back from the DE buffer.
+earlier chunks, back from the DE buffer. Decode engines batch every ready
+request themselves; the conductor keeps one decode outstanding per request.
+
+Timestamps are the host's monotonic clock (shared by every process on this
+machine) minus the mode's start: testbed seconds. On an emulated clock one
+emulated second lasts `dilation` of them.
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ class RequestRecord:
     chunk_read_bytes: int = 0  # past KV later chunks read back from the DE buffer
     prompt: list[int] = field(default_factory=list, repr=False)
     tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # when each token existed (testbed s)
     pe_layer_hashes: list[str] = field(default_factory=list, repr=False)
     de_layer_hashes: list[str] = field(default_factory=list, repr=False)
     peak_hit_bytes: int = 0
@@ -92,6 +99,7 @@ class PrefillJob:
     crcs: list[int] | None = None  # per layer, of rows [0, cached) as the last pass wrote them
     tags: list[str] = field(default_factory=list)
     first_token: int = -1
+    t_first_token: float = 0.0  # host clock: the end of the pass that produced it
 
     @property
     def new(self) -> int:
@@ -134,6 +142,8 @@ class Conductor:
                  request_timeout_s: float = 120.0,
                  on_record: Callable[[RequestRecord], None] | None = None, router: Router | None = None,
                  cost_model=None, quota_s: float = 0.3):
+        """`cost_model` packs the PEs' passes under `quota_s` (both in the engines' time: the
+        target's seconds on an emulated clock); None runs one whole request per pass."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
@@ -145,8 +155,6 @@ class Conductor:
         self._space = asyncio.Condition()
         self.router = router or RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
                                                  ("none",) if mode == "oracle" else ("pe",))
-        # With a cost model, PEs run quota-packed, chunked passes (the paper's intra-engine
-        # scheduling); without one, each pass is one whole request.
         self.cost_model, self.quota_s = cost_model, quota_s
         self._pe_waiting: dict[str, list[PrefillJob]] = {}
         self._batchers: dict[str, asyncio.Future] = {}
@@ -220,7 +228,7 @@ class Conductor:
             job = await self._prefill(rec.pe, PrefillJob(
                 rec, prompt, "oracle" if oracle else "basic" if self.mode == "basic" else "layerwise",
                 reads, pe_blocks * bs, dst, asyncio.get_running_loop().create_future(), cached=rec.n_hit))
-            rec.t_first_token = self._now()
+            rec.t_first_token = job.t_first_token - self.t0
             self.router.prefill_done(rec.pe, sreq)  # tok_e counts unfinished prefill work only
             prefill_counted = True
             if not oracle:  # the notifications follow the PE's WRITEs: then the layers have landed
@@ -234,13 +242,14 @@ class Conductor:
             if not oracle and n_wb > 0:
                 wb_off = await self._alloc(rec.de_node, n_wb * fb)
                 wb = Span(rec.de_node, "buf", wb_off)
-            dec = await c.clients[rec.de].call(
+            dec = await c.decoders[rec.de].call(
                 "decode", request=rec.request, n_prompt=len(prompt), first_token=job.first_token,
-                gen_len=gen_len, src=None if oracle else dst.to_msg(), wb=wb.to_msg() if wb else None,
-                first_new_block=n_hit_blocks, expect_crcs=None if oracle else job.crcs,
-                timeout_s=self.timeout_s)
+                t_first_token=job.t_first_token, gen_len=gen_len, src=None if oracle else dst.to_msg(),
+                wb=wb.to_msg() if wb else None, first_new_block=n_hit_blocks,
+                expect_crcs=None if oracle else job.crcs, timeout_s=self.timeout_s)
             rec.reread_bytes = dec["reread_bytes"]
             rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
+            rec.token_times = [round(t - self.t0, 6) for t in dec["token_times"]]
             await self._free(rec.de_node, de_off)
             de_off = None
             with_kv = prompt + rec.tokens[:-1]  # the last token's KV is never computed
@@ -332,13 +341,17 @@ class Conductor:
                     waiting.remove(j)
                     j.fut.set_exception(e)
                 continue
+            tm = rep["timing"]
             self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(entries),
                                  "chunked": not entries[-1].last, "loaded": loaded,
-                                 "attention_s": rep["attention_s"], "attention_wall_s": rep["attention_wall_s"],
-                                 "predicted_s": predicted})
+                                 # the pass's compute in the engines' time: the target's when emulated
+                                 "attention_s": tm["emulated_s"] if tm["held_s"] else rep["attention_s"],
+                                 "attention_cpu_s": rep["attention_s"], "attention_wall_s": rep["attention_wall_s"],
+                                 "predicted_s": predicted, "timing": tm})
             for j, e, res in zip(jobs, entries, rep["results"]):
                 j.absorb(res, e.new, self.geom)
                 if e.last:
+                    j.t_first_token = rep["t_end"]
                     waiting.remove(j)
                     j.fut.set_result(j)
         del self._batchers[pe]

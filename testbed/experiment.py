@@ -17,13 +17,18 @@ from dualpath.kv_spans import kv_bytes
 from dualpath.layouts import BlockGeometry
 from dualpath.model import load_config
 from dualpath.scheduler.core import Scheduler
-from dualpath.scheduler.thresholds import Profile
+from dualpath.scheduler.cost_model import AttentionCostModel
+from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
 from dualpath.workload import Workload
 from testbed import counters
 from testbed.cluster import CONDUCTOR_IP, Cluster
 from testbed.conductor import MODES, Conductor, RequestRecord
 from testbed.fabric import Fabric
+from testbed.fidelity import link_use, verdict as fidelity_verdict
+from testbed.metrics import percentiles, token_latencies
 from testbed.monitor import CPU_SATURATED, Monitor
+from testbed.runclock import RunClock
+from testbed.topology import Topology
 from testbed.routing import RoundRobinRouter, Router
 from testbed.scheduling import ServiceRouter
 from testbed.verify import Reference
@@ -53,12 +58,16 @@ class ModeResult:
     accounting: list = field(default_factory=list)
     verdicts: dict[str, Any] = field(default_factory=dict)
     transport: str = ""  # as the node processes reported it
-    batches: list = field(default_factory=list)  # PE forward batches (dualpath modes)
+    batches: list = field(default_factory=list)  # PE forward passes
     scheduler: dict = field(default_factory=dict)  # the router's own record (service, leaders' pulls)
+    steps: list = field(default_factory=list)  # decode steps of every DE
+    links: list = field(default_factory=list)  # fidelity.LinkUse of every storage NIC
+    faithful: bool = False
+    unfaithful_reasons: list = field(default_factory=list)
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
-              namespace: bytes, progress: Callable[[str], None], quota_s: float) -> ModeResult:
+              namespace: bytes, progress: Callable[[str], None], quota_s: float, clock: "RunClock") -> ModeResult:
     recs: list[RequestRecord] = []
     done = [0]
     total = sum(len(t.turns) for t in workload.trajectories)
@@ -69,11 +78,11 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             if done[0] % max(total // 10, 1) == 0 or done[0] == total:
                 progress(f"    {mode}: {done[0]}/{total} requests")
 
-    async def go() -> tuple[float, RequestRecord, int, Conductor, dict]:
-        router = _router(cluster, fab, geom, mode)
+    async def go() -> tuple[float, RequestRecord, int, Conductor, dict, tuple[float, float], list, dict]:
+        router = _router(cluster, fab, geom, mode, clock)
         await router.start()
         co = Conductor(cluster, geom, mode, namespace, on_record=on_record, router=router,
-                       cost_model=cluster.cost_model if mode.startswith("dualpath") else None, quota_s=quota_s)
+                       cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s)
         sent0 = cluster.control_bytes()
         try:
             warm = await co.warm(workload.system_prompt)
@@ -87,25 +96,33 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             await router.stop()
         for p in per:
             recs.extend(p)
-        jct = max(r.t_done for r in recs) - t0
+        t1 = max(r.t_done for r in recs)
         app = cluster.control_bytes() - sent0
-        return jct, warm, app, co, router.stats()
+        steps = [{**x, "de": de, "t_start": x["t_start"] - co.t0, "t_end": x["t_end"] - co.t0}
+                 for de in cluster.engines("decode") for x in (await cluster.clients[de].call("steps"))["steps"]]
+        loads = {h: (await cluster.clients[h].call("read_log"))["loads"] for h in cluster.loaders}
+        return t1 - t0, warm, app, co, router.stats(), (co.t0 + t0, co.t0 + t1), steps, loads
 
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
     with Monitor(devs, interval_s=0.25) as mon:
-        jct, warm, app_bytes, co, decisions = cluster.run(go())
+        jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.batches = co.batches
     res.scheduler = decisions
+    res.steps = steps
+    res.links = [link_use(f"{node}/snic", fab.topo.snic_bps, window, [tuple(x) for x in node_loads],
+                          fab.topo.spec.mtu) for node, node_loads in sorted(loads.items())]
+    res.faithful, res.unfaithful_reasons = fidelity_verdict(
+        (b["timing"] for b in co.batches), steps, res.cpu_busy, res.links)
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res
 
 
-def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str) -> Router:
+def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock: "RunClock") -> Router:
     """Who decides. dualpath and dualpath-split: the scheduler service, pulled by the engine
     group leaders (Algorithm 1, DE phases 1-2, then the shorter read queue or a split).
     dualpath-rr: engines and read paths in turn, the ablation's baseline. The single-path
@@ -116,10 +133,15 @@ def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str) -> Ro
     if mode == "dualpath-rr":
         return RoundRobinRouter(pe, de, ("pe", "de"))
     kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
-    profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8, prefill_tokens_per_s=cluster.prefill_tokens_per_s,
+    # alpha is seconds of SNIC reads and beta seconds of prefill, both in the engines' time: on an
+    # emulated clock the SNIC reads testbed bytes per testbed second, so alpha's 3 emulated seconds
+    # last 3k here, while beta's tokens come from the target's own prefill rate.
+    profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8,
+                      prefill_tokens_per_s=clock.prefill_tokens_per_s or cluster.prefill_tokens_per_s,
                       kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
-    return ServiceRouter(cluster, Scheduler(profile, path_policy="split" if mode == "dualpath-split" else "shorter"),
-                         CONDUCTOR_IP)
+    sched = Scheduler(profile, path_policy="split" if mode == "dualpath-split" else "shorter",
+                      alpha_s=PAPER_ALPHA_S * clock.dilation, beta_s=PAPER_BETA_S)
+    return ServiceRouter(cluster, sched, CONDUCTOR_IP)
 
 
 def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
@@ -167,25 +189,36 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
     geom = run_geometry(checkpoint, block_size)
+    clock = RunClock.of(fab.topo, geom)
     results = []
     t0 = time.monotonic()
-    with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport) as cluster:
+    with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
+                 timing=clock.engine_timing()) as cluster:
         cluster.run(cluster.connect())
         progress(f"  cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.procs)} node processes, "
                  f"{len(cluster.stores)} storage server(s); transport {sorted(set(cluster.transports.values()))[0].split(' via ')[0]}")
         for mode in modes:
             progress(f"  mode {mode}")
             ns = f"{run_dir.name}/{mode}".encode()[:64]
-            results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress, quota_s))
+            results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress, quota_s, clock))
+            r = results[-1]
+            progress(f"    {mode}: {'FAITHFUL' if r.faithful else 'UNFAITHFUL'}, JCT {clock.to_emulated(r.jct_s):.2f} s "
+                     f"emulated ({r.jct_s:.1f} s here), CPU busy {r.cpu_busy:.0%}")
             results[-1].transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
     verify(results, checkpoint, geom, progress)
     return results
 
 
-def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry) -> dict[str, Any]:
-    out: dict[str, Any] = {"modes": {}}
+def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry, topo: Topology) -> dict[str, Any]:
+    """summary.json: per mode, the verdict first, then times in emulated seconds (testbed
+    seconds beside them), correctness, bytes per NIC and balance."""
+    clock = RunClock.of(topo, geom)
+    out: dict[str, Any] = {"target": clock.target, "dilation": round(clock.dilation, 6), "time": clock.to_dict(),
+                           "modes": {}}
+    k = clock.dilation
     for res in results:
         ok = [r for r in res.records if not r.error]
+        lat = [token_latencies(r.t_arrive, r.token_times) for r in ok if r.token_times]
         hit = sum(r.n_hit for r in ok)
         prompt = sum(r.n_prompt for r in ok)
         per_nic = _per_nic(res.accounting)
@@ -196,8 +229,13 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         acc_bad = [r for r in per_nic if not r["ok"]]
         peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
         out["modes"][res.mode] = {
+            "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
             "requests": len(res.records), "errors": len(res.records) - len(ok),
-            "jct_s": round(res.jct_s, 3), "hit_rate": round(hit / prompt, 4) if prompt else 0,
+            "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
+            "ttft_s": percentiles((x["ttft"] for x in lat), scale=1 / k),
+            "ttst_s": percentiles((x["ttst"] for x in lat), scale=1 / k),
+            "tpot_s": percentiles((x["tpot"] for x in lat), scale=1 / k),
+            "hit_rate": round(hit / prompt, 4) if prompt else 0,
             "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
             "verification": res.verdicts,
             "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
@@ -225,8 +263,32 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
             "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
             "cpu_saturated": res.cpu_peak >= CPU_SATURATED,
+            "fidelity": {"prefill_passes": len(res.batches),
+                         "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
+                         "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),
+                         "mean_decode_batch": round(sum(x["n"] for x in res.steps) / len(res.steps), 2) if res.steps else None,
+                         "late_testbed_s": round(sum(b["timing"]["late_s"] for b in res.batches)
+                                                 + sum(x["late_s"] for x in res.steps), 4),
+                         "storage_nics": [u.to_dict() for u in res.links]},
         }
+    _speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     return out
+
+
+def _speedups(modes: dict[str, dict], p: int, d: int) -> None:
+    """speedup_over_basic per mode, and the bound it is judged against: min((P+D)/P, the SNIC
+    bound of reading on every node instead of the prefill nodes only, and basic/oracle, the most
+    that removing all I/O could give), from the same run."""
+    basic = modes.get("basic")
+    if not basic or not basic["jct_s"]:
+        return
+    bound = (p + d) / p
+    oracle = modes.get("oracle")
+    if oracle and oracle["jct_s"]:
+        bound = min(bound, basic["jct_s"] / oracle["jct_s"])
+    for m in modes.values():
+        m["speedup_over_basic"] = round(basic["jct_s"] / m["jct_s"], 4) if m["jct_s"] else None
+        m["speedup_bound"] = round(bound, 4)
 
 
 def _forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: bool = True) -> dict[str, Any] | None:
@@ -304,3 +366,12 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
         for res in results:
             for r in res.records:
                 f.write(json.dumps({**r.to_json(), "interfaces": interfaces_of(r, res.mode)}) + "\n")
+    # the engines' own time series: every prefill pass and decode step (testbed seconds)
+    with open(run_dir / "passes.jsonl", "w") as f:
+        for res in results:
+            for b in res.batches:
+                f.write(json.dumps({"mode": res.mode, **b}) + "\n")
+    with open(run_dir / "steps.jsonl", "w") as f:
+        for res in results:
+            for x in res.steps:
+                f.write(json.dumps({"mode": res.mode, **x}) + "\n")

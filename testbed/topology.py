@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -37,6 +37,10 @@ _HINTS: dict[str, str] = {
     "storage.disk_gbps": "set storage.disk_gbps to a positive number (paper units)",
     "storage.nic_gbps": "set storage.nic_gbps to a positive number (paper units)",
     "qos": "set qos to on or off",
+    "compute": "set compute to emulated (the target GPU's time) or cpu (the host's own time)",
+    "target": "give a target: {gpu: h800, model: qwen2.5-32b}; `dualpath topo` lists the known ones",
+    "target.gpu": "name a known GPU, e.g. h800 (see emulators/gpu/specs.py)",
+    "target.model": "name a known target model, e.g. qwen2.5-32b (see emulators/gpu/models.py)",
     "mtu": "set mtu to an integer in [576, 9000]",
 }
 
@@ -49,6 +53,20 @@ class StorageSpec(_Strict):
     servers: int = Field(ge=1)
     disk_gbps: float = Field(gt=0)
     nic_gbps: float = Field(gt=0)
+
+
+class TargetSpec(_Strict):
+    """The cluster being emulated: a GPU and the model it serves (DESIGN.md section 3a)."""
+
+    gpu: str = "h800"
+    model: str = "qwen2.5-32b"
+
+    @model_validator(mode="after")
+    def _known(self) -> "TargetSpec":
+        from emulators.gpu.cost import target
+
+        target(self.gpu, self.model)  # a one-line ValueError names the bad one and the known ones
+        return self
 
 
 class TopologySpec(_Strict):
@@ -67,6 +85,10 @@ class TopologySpec(_Strict):
     storage: StorageSpec
     qos: bool = True
     mtu: int = Field(default=1500, ge=576, le=9000)
+    # Time: "emulated" runs every pass and decode step for as long as the target takes
+    # (times the dilation); "cpu" keeps the host's own time, for runs that time the CPU.
+    compute: Literal["emulated", "cpu"] = "emulated"
+    target: TargetSpec = TargetSpec()
     description: str = ""
 
     @model_validator(mode="after")
@@ -133,10 +155,41 @@ class Topology:
         lo, hi = self.pd_range()
         return lo <= self.pd_ratio <= hi
 
-    def describe(self) -> list[str]:
+    @property
+    def emulated(self) -> bool:
+        return self.spec.compute == "emulated"
+
+    def target(self):
+        """The emulated GPU and model (emulators.gpu.cost.Target)."""
+        from emulators.gpu.cost import target
+
+        return target(self.spec.target.gpu, self.spec.target.model)
+
+    def dilation(self, testbed_kv_bytes_per_token: int) -> float:
+        """k: testbed seconds per emulated second, for a testbed model with this many KV bytes
+        per token (1 on the CPU's own clock)."""
+        if not self.emulated:
+            return 1.0
+        from emulators.gpu.cost import dilation
+
+        return dilation(testbed_kv_bytes_per_token, self.target().model.kv_bytes_per_token, self.spec.scale)
+
+    def describe(self, testbed_kv_bytes_per_token: int | None = None) -> list[str]:
+        """What the file describes; with the testbed model's KV bytes per token, also the time scale."""
         s = self.spec
         lo, hi = self.pd_range()
         verdict = "inside" if self.in_bottleneck_free_range() else "OUTSIDE"
+        tgt = self.target()
+        if not self.emulated:
+            time_line = (f"compute: cpu: passes take what the host's CPU takes (target {s.target.model} on "
+                         f"{s.target.gpu} not emulated); timings measure this machine")
+        elif testbed_kv_bytes_per_token:
+            k = self.dilation(testbed_kv_bytes_per_token)
+            time_line = (f"target {s.target.model} on {s.target.gpu} ({tgt.model.kv_bytes_per_token:,} KV bytes/token); "
+                         f"dilation k = {k:.3g} for the testbed model's {testbed_kv_bytes_per_token:,} B/token: "
+                         f"one emulated second lasts {k:.3g} s here")
+        else:
+            time_line = f"target {s.target.model} on {s.target.gpu} (emulated clock)"
         return [
             f"topology {s.name} ({self.source}): {s.prefill_nodes}P{s.decode_nodes}D, "
             f"g={s.engines_per_node}, s={s.snic_ratio}, scale={s.scale:g}",
@@ -145,6 +198,7 @@ class Topology:
             f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}",
             f"P/D={self.pd_ratio:.3g} is {verdict} the bottleneck-free range "
             f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}",
+            time_line,
         ]
 
 

@@ -1,7 +1,8 @@
 """Correctness against recomputation: every request's tokens and loaded KV vs a full recompute.
 
-The reference runs the same checkpoint in this process with no stored KV at
-all: a full prefill of the prompt, then greedy decode. The engines hash each
+The reference runs the same checkpoint in this process with none of the
+testbed's KV: a prefill of the prompt (after its own KV of the trajectory's
+earlier turns), then greedy decode. The engines hash each
 layer's KV as it lands in their HBM (the PE: the hit KV; the DE: the whole
 prompt); the reference hashes the same rows of its own KV. Equal hashes mean
 bit-exact KV; the model is tiled so that chunked and full attention agree in
@@ -35,17 +36,42 @@ def _layer_hashes(kv, geom: BlockGeometry, n: int) -> list[str]:
 
 
 class Reference:
+    """Recomputes each request in this process, with no KV from the testbed at all.
+
+    A trajectory's turns share their prefix: turn t's prompt is turn t-1's prompt, its tokens
+    and a new append. The reference keeps its *own* KV of each trajectory's latest context and
+    prefills only what is new, which is bit-identical to a full recomputation because the model
+    computes every token on position-aligned tiles whatever the chunking
+    (dualpath/model/transformer.py; tests/test_model.py checks cached against full prefill).
+    Nothing it uses ever passed through a store, a NIC or an engine.
+    """
+
+    MAX_CONTEXTS = 256  # contexts kept for extension (one per live trajectory is enough)
+
     def __init__(self, checkpoint: str, geom: BlockGeometry):
         torch.set_num_threads(1)  # the engines run single-threaded: same kernels, same bits
         self.model = Transformer.from_pretrained(checkpoint)
         self.geom = geom
         self._cache: dict[tuple, tuple[list[int], object]] = {}
+        self._contexts: dict[tuple, list] = {}  # tokens whose KV we computed -> that KV per layer
+
+    def _longest_prefix(self, prompt: tuple) -> tuple[tuple, list | None]:
+        best: tuple = ()
+        for ctx in self._contexts:
+            if len(best) < len(ctx) < len(prompt) and prompt[:len(ctx)] == ctx:
+                best = ctx
+        return best, self._contexts.get(best)
 
     def run(self, prompt: list[int], gen_len: int) -> tuple[list[int], object]:
         key = (tuple(prompt), gen_len)
         if key not in self._cache:
-            res = self.model.generate(prompt, gen_len)
+            done, past = self._longest_prefix(key[0])
+            res = self.model.generate(prompt[len(done):], gen_len, past_kv=past)
             self._cache[key] = (res.tokens, res.kv)
+            self._contexts.pop(done, None)  # extended: the longer context replaces it
+            self._contexts[tuple(prompt) + tuple(res.tokens[:-1])] = res.kv
+            while len(self._contexts) > self.MAX_CONTEXTS:
+                self._contexts.pop(next(iter(self._contexts)))
         return self._cache[key]
 
     def check(self, prompt: list[int], gen_len: int, tokens: list[int], n_hit: int,

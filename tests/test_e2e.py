@@ -41,7 +41,7 @@ def summary(checkpoint, workload, tmp_path_factory):
                           modes=("basic", "layerwise", "dualpath", "dualpath-rr", "oracle"),
                           progress=lambda _m: None)
     assert find_leftovers().empty()
-    return summarize(results, workload, run_geometry(checkpoint))
+    return summarize(results, workload, run_geometry(checkpoint), load_topology(TOPO))
 
 
 def test_every_path_yields_the_tokens_and_kv_of_recomputation(summary):
@@ -85,12 +85,12 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
             Cluster(fab, tmp_path, checkpoint, geom, 64 << 20, 64 << 20) as cluster:
         cluster.run(cluster.connect())
         victim = cluster.procs["dpt-d0e0"]
-        client = cluster.clients["dpt-d0e0"]
+        decodes = cluster.decoders["dpt-d0e0"]
         co = Conductor(cluster, geom, "dualpath", b"kill-test", request_timeout_s=60)
 
-        def killer():  # SIGKILL while the victim is inside a command (its decode: READ, decode, WRITE)
+        def killer():  # SIGKILL while the victim has decodes in flight (READ, decode, WRITE)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (client.lock.locked() and co.stored):
+            while time.monotonic() < deadline and not (decodes._waiting and co.stored):
                 time.sleep(0.001)
             victim.proc.kill()
 
@@ -147,7 +147,7 @@ def scheduled(checkpoint, tmp_path_factory):
         results = run_e2e(fab, wl, checkpoint, tmp_path_factory.mktemp("run"), modes=("dualpath", "dualpath-split"),
                           progress=lambda _m: None, quota_s=0.02)
     assert find_leftovers().empty()
-    return summarize(results, wl, run_geometry(checkpoint))
+    return summarize(results, wl, run_geometry(checkpoint), load_topology(REPO / "topologies" / "1p2d.yaml"))
 
 
 def test_chunked_and_split_prefill_match_recomputation(scheduled):

@@ -13,6 +13,7 @@ import numpy as np
 # host agent, its read queue. Control traffic stays outside the kv port range (model class).
 STATE_PORT_OFFSET = 1
 LOAD_PORT_OFFSET = 2
+DECODE_PORT_OFFSET = 3  # a decode engine's decode requests (many outstanding)
 
 
 def state_port(control_port: int) -> int:
@@ -21,6 +22,10 @@ def state_port(control_port: int) -> int:
 
 def load_port(control_port: int) -> int:
     return control_port + LOAD_PORT_OFFSET
+
+
+def decode_port(control_port: int) -> int:
+    return control_port + DECODE_PORT_OFFSET
 
 
 def base_args(description: str) -> argparse.ArgumentParser:

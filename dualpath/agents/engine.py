@@ -2,11 +2,19 @@
 
 Its only interface is its CNIC, so every byte into or out of its HBM, H2D
 from its own node's DRAM included, crosses that shaped NIC. A prefill engine
-serves `prefill`; a decode engine serves `decode`.
+serves `prefill_batch`; a decode engine takes `decode` requests on its decode
+socket and batches every ready one (dualpath/engines/decode.py).
+
+Time: with `--timing` naming an emulated clock (a dilation and the target's cost models),
+every pass and decode step lasts what the target GPU takes, times the dilation
+(dualpath/engines/clock.py). Without it, passes take what the CPU takes and a prefill
+engine fits its cost model on its own prefill loop at start.
 """
 from __future__ import annotations
 
-from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
+import json
+
+from dualpath.agents.common import base_args, decode_port, exit_on_sigterm, make_agent, wiring_handlers
 from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
 
@@ -17,6 +25,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--hbm-bytes", type=int, required=True)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--timing", default="", help="JSON {dilation, prefill, decode}: the emulated clock "
+                    "and the target's cost models; empty: the CPU's own time")
     args = ap.parse_args()
     exit_on_sigterm()
 
@@ -24,12 +34,10 @@ def main() -> None:
 
     torch.set_num_threads(1)  # bit-exact with the reference, and no thread fights on 2 cores
     from dualpath.buffers import ByteAllocator
-    from dualpath.engines.decode import decode as run_decode
-    from dualpath.engines.prefill import prefill_batch as run_prefill_batch
-    from dualpath.kv_connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector, PastRead
-    from dualpath.kv_spans import Span
+    from dualpath.engines.clock import DeviceClock
     from dualpath.layouts import BlockGeometry
     from dualpath.model import Transformer
+    from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 
     model = Transformer.from_pretrained(args.checkpoint)
     geom = BlockGeometry.from_config(model.config, block_size=args.block_size)
@@ -39,68 +47,8 @@ def main() -> None:
     load = EngineLoad(args.hbm_bytes // kv_per_token)  # what this engine reports to its group leader
     leading: list[GroupLeader] = []
 
-    profiled = None
-    if args.role == "prefill":  # what the scheduler needs of this engine: beta and the quota's cost model
-        from testbed.profile import profile_model
-
-        profiled = profile_model(model, reps=1, small=True)
-
-    def _connector(mode: str, plan: LoadPlan):
-        if mode == "oracle":
-            return OracleConnector(agent, hbm, alloc, geom)
-        if plan.dst is None:
-            raise ValueError(f"mode {mode!r} needs a destination span")
-        if mode == "basic":
-            return BasicConnector(agent, hbm, alloc, geom)
-        if mode == "layerwise":
-            return LayerwiseConnector(agent, hbm, alloc, geom)
-        raise ValueError(f"unknown prefill mode {mode!r}")
-
-    def _plan(r: dict) -> LoadPlan:
-        reads = tuple(PastRead.from_msg(x) for x in r.get("reads") or ())
-        crcs = r.get("past_crcs")
-        n_hit = int(r["n_hit"])
-        if r["mode"] == "oracle":  # nothing is read: the past is zeros already "in HBM"
-            reads = (PastRead(Span("", "", 0), 0, n_hit),) if n_hit else ()
-        return LoadPlan(r["request"], n_hit, len(r["tokens"]), reads,
-                        Span.from_msg(r["dst"]) if r.get("dst") else None,
-                        int(r.get("forward_past", 0)), tuple(crcs) if crcs is not None else None,
-                        str(r.get("tag", "")))
-
-    def prefill_batch(requests: list[dict]) -> dict:
-        """One forward pass: every request's layer l, then every request's layer l+1, ...
-        A request may be one chunk of a longer prompt (its past then includes earlier chunks)."""
-        items = []
-        for r in requests:
-            if not r.get("tokens"):
-                raise ValueError(f"request {r.get('request')!r}: a prefill needs at least one miss token")
-            plan = _plan(r)
-            items.append((list(r["tokens"]), plan, _connector(r["mode"], plan)))
-        outs = run_prefill_batch(model, items)
-        for r in requests:
-            if r.get("last", True):
-                load.finished(r["request"])
-        results = []
-        for (_, _, conn), out in zip(items, outs):
-            s = conn.stats
-            results.append({"first_token": out.first_token, "compute_s": out.compute_s,
-                            "compute_cpu_s": out.compute_cpu_s, "total_s": out.total_s,
-                            "read_bytes": s.read_bytes, "written_bytes": s.written_bytes,
-                            "read_wait_s": s.read_wait_s, "peak_hit_bytes": s.peak_hit_bytes,
-                            "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs,
-                            "reread_bytes": s.reread_bytes})
-        return {"results": results, "attention_s": sum(o.compute_cpu_s for o in outs),
-                "attention_wall_s": sum(o.compute_s for o in outs)}
-
-    def decode(request: str, n_prompt: int, first_token: int, gen_len: int, src: dict | None,
-               wb: dict | None, first_new_block: int, expect_crcs: list[int] | None = None) -> dict:
-        out = run_decode(request, model, agent, hbm, alloc, geom, n_prompt, first_token, gen_len,
-                         Span.from_msg(src) if src else None, Span.from_msg(wb) if wb else None,
-                         first_new_block, expect_crcs)
-        load.finished(request)
-        return {"tokens": out.tokens, "written_blocks": out.written_blocks, "layer_hashes": out.layer_hashes,
-                "read_bytes": out.read_bytes, "written_bytes": out.written_bytes, "total_s": out.total_s,
-                "block_crcs": out.block_crcs, "reread_bytes": out.reread_bytes}
+    timing = json.loads(args.timing) if args.timing else None
+    clock = DeviceClock(timing["dilation"] if timing else None)
 
     def lead(group: str, scheduler: str, members: dict[str, list[str]], nodes: dict[str, str],
              interval_s: float = 0.02) -> dict:
@@ -119,16 +67,33 @@ def main() -> None:
         "load": load.report,
         "assigned": lambda request, tokens: load.assigned(request, tokens) or {},
     })
-    extra = {k: profiled[k] for k in ("prefill_tokens_per_s", "cost_model")} if profiled else {}
-    handlers = {**wiring_handlers(agent, extra), "lead": lead, "unlead": unlead,
-                **({"prefill_batch": prefill_batch} if args.role == "prefill"
-                   else {"decode": decode})}
-    server = RpcServer(f"tcp://{args.ip}:{args.control_port}", handlers)
-    print(f"ready {args.name} {agent.transport_in_use}", flush=True)
-    try:
-        server.serve(idle=agent.progress)  # no progress thread here: keep peers' endpoints settled
-    finally:
-        agent.close()
+    common = {"lead": lead, "unlead": unlead}
+    if args.role == "prefill":
+        from dualpath.agents.prefill_service import prefill_handlers
+
+        cost = AttentionCostModel.from_dict(timing["prefill"]) if timing else None
+        handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost)
+        server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
+                           {**wiring_handlers(agent, hello), **common, **handlers})
+        print(f"ready {args.name} {agent.transport_in_use}", flush=True)
+        try:
+            # no progress thread here: progress when idle, so peers' endpoints settle
+            server.serve(idle=agent.progress)
+        finally:
+            agent.close()
+    else:
+        from dualpath.agents.decode_service import DecodeService
+
+        cost = DecodeCostModel.from_dict(timing["decode"]) if timing else None
+        service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,
+                                control=f"tcp://{args.ip}:{args.control_port}",
+                                decode=f"tcp://{args.ip}:{decode_port(args.control_port)}",
+                                handlers={**wiring_handlers(agent), **common})
+        print(f"ready {args.name} {agent.transport_in_use}", flush=True)
+        try:
+            service.serve()
+        finally:
+            agent.close()
 
 
 if __name__ == "__main__":

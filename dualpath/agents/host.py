@@ -70,9 +70,13 @@ def main() -> None:
     # read_q from the state socket (the control socket may be busy with a long flush).
     reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load).start()
     serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes}})
+    def read_log() -> dict:
+        """The loads read since the last call, as [start, end, bytes] (when the SNIC was busy)."""
+        return {"loads": [list(x) for x in reads.drain_log()]}
+
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                        {**wiring_handlers(agent), "flush": flush, "wait_notifs": wait_notifs,
-                        "contains": contains})
+                        "contains": contains, "read_log": read_log})
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()

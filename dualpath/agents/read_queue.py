@@ -19,6 +19,8 @@ from pydantic import ValidationError, validate_call
 
 from dualpath.control import MAX_MSG_BYTES, pack, unpack
 
+MAX_LOG = 200_000  # loads remembered between two drains
+
 
 class ReadQueueServer:
     def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict]) -> None:
@@ -30,6 +32,14 @@ class ReadQueueServer:
         self._work: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._done_ep = f"inproc://read-queue-{id(self)}"
+        self._log: list[tuple[float, float, int]] = []  # (start, end, bytes) of every load read
+
+    def drain_log(self) -> list[tuple[float, float, int]]:
+        """Every load read since the last call, as (accepted, finished, bytes): while a load is
+        accepted and not finished, the node has pending reads and its SNIC should be busy."""
+        with self._lock:
+            out, self._log = self._log, []
+        return out
 
     @property
     def pending_bytes(self) -> int:
@@ -95,7 +105,7 @@ class ReadQueueServer:
         nbytes = len(keys) * self.block_bytes
         with self._lock:
             self._pending += nbytes
-        self._work.put((ident, rid, keys, offset, nbytes))
+        self._work.put((ident, rid, keys, offset, nbytes, time.monotonic()))
         return None
 
     # -- worker thread: one load at a time, in arrival order --------------------------------------
@@ -105,7 +115,7 @@ class ReadQueueServer:
         push.connect(self._done_ep)
         try:
             while (item := self._work.get()) is not None:
-                ident, rid, keys, offset, nbytes = item
+                ident, rid, keys, offset, nbytes, t_accepted = item
                 try:
                     reply = {"ok": True, "id": rid, **self._load(keys, offset)}
                 except Exception as e:  # a failed load must not take the queue down
@@ -113,6 +123,8 @@ class ReadQueueServer:
                 finally:
                     with self._lock:
                         self._pending -= nbytes
+                        if len(self._log) < MAX_LOG:
+                            self._log.append((t_accepted, time.monotonic(), nbytes))
                 push.send(pack([ident, reply]))
         finally:
             push.close()

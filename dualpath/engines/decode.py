@@ -1,138 +1,174 @@
-"""Decode engine (DE): H2D of the whole prompt KV, greedy decode, write-back of full blocks."""
+"""Decode engine (DE): continuous batching of every ready request, one token per step.
+
+A request joins the batch once its prompt KV is in HBM (its connector says so) and leaves it
+after its last token. Every step computes one token for each request in the batch with the
+real model (one batched step, bit-identical to decoding each alone: Transformer.decode_step),
+then lasts as long as the target GPU's step for that batch (the decode cost model: weights
+streamed once per step, plus each sequence's token and context). The paper's DEs batch every
+ready request (section 6) in the same way.
+
+A step's tokens exist when its window ends: that is when they are timestamped, and when a Full
+Block that one of them completed starts its write-back (D2H through the CNIC). While a step's
+window runs, the engine's loop goes on admitting requests and polling their loads, as a GPU
+overlaps copies with compute.
+"""
 from __future__ import annotations
 
-import hashlib
-import zlib
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from dualpath.buffers import ByteAllocator
-from dualpath.kv_spans import Span, token_rows_descs
-from dualpath.layouts import BlockGeometry, build_full_block, unpack_layer
+from dualpath.decode_connector import KV, DecodeConnector, DecodePlan
+from dualpath.engines.clock import DeviceClock, PassTiming
+from dualpath.layouts import BlockGeometry
 from dualpath.model import Transformer
+from dualpath.scheduler.cost_model import DecodeCostModel
 
 
 @dataclass
-class DecodeOutcome:
-    tokens: list[int]
-    written_blocks: list[int]  # block indices written back, in order (at wb.offset + j * full block)
-    block_crcs: list[int] = field(default_factory=list)  # CRC32 of each written-back block
-    reread_bytes: int = 0  # rows read again because the PE's WRITE had not landed yet
-    layer_hashes: list[str] = field(default_factory=list)
-    read_bytes: int = 0
-    written_bytes: int = 0
-    total_s: float = 0.0
+class DecodeJob:
+    plan: DecodePlan
+    first_token: int  # from prefill
+    t_first_token: float  # when prefill produced it (the PE's clock: the same host clock)
+    conn: DecodeConnector
+    reply: object = None  # whatever the caller needs to answer when the job is done
+    kv: list[KV] | None = None
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    next_block: int = 0  # the first Full Block not yet saved
+    error: str | None = None
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv[0][0].shape[0] if self.kv else 0
+
+    @property
+    def done_decoding(self) -> bool:
+        return len(self.tokens) >= self.plan.gen_len
 
 
-def decode(request: str, model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-           n_prompt: int, first_token: int, gen_len: int, src: Span | None, wb: Span | None,
-           first_new_block: int, expect_crcs: list[int] | None = None, timeout_s: float = 60.0) -> DecodeOutcome:
-    """Load the prompt's KV from the DE buffer, decode gen_len tokens, write back full blocks.
-
-    `first_token` came from prefill. Every Full Block from `first_new_block` on is
-    written (D2H) to `wb` as soon as it fills; the host agent persists them.
-    `src is None` is the oracle: nothing moves and the prompt KV is zeros.
-    `expect_crcs[l]` is the CRC32 of layer l's rows, as the PE read and wrote them: a layer
-    that does not match yet is read again until it does (bounded by timeout_s).
-    """
-    t0 = time.perf_counter()
-    out = DecodeOutcome(tokens=[first_token], written_blocks=[])
-    bpt, L = geom.bytes_per_token_per_layer, geom.n_layer
-    layer_bytes = n_prompt * bpt
-    off = alloc.alloc(layer_bytes * L)
-    try:
-        if src is not None:
-            descs = np.concatenate([token_rows_descs(geom, l, 0, n_prompt, off + l * layer_bytes, src.offset)
-                                    for l in range(L)])
-            agent.post("READ", src.peer, "hbm", src.region, descs, layer="all").wait(timeout_s)
-            out.read_bytes = int(descs[:, 2].sum())
-            if expect_crcs is not None:
-                _until_landed(agent, hbm, geom, src, off, n_prompt, expect_crcs, out, timeout_s)
-        kv = []
-        for l in range(L):
-            rows = torch.from_numpy(hbm[off + l * layer_bytes: off + (l + 1) * layer_bytes]).view(n_prompt, bpt)
-            if src is not None:
-                out.layer_hashes.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
-                k, v = unpack_layer(rows, geom)
-                kv.append((k.contiguous(), v.contiguous()))
-            else:
-                z = torch.zeros((n_prompt, geom.n_kv_heads, geom.head_dim), dtype=geom.dtype)
-                kv.append((z, z.clone()))
-    finally:
-        alloc.free(off)
-    writes: list = []
-    n_wb = (n_prompt + gen_len - 1) // geom.block_size - first_new_block
-    # One staging slot per block written back: a slot is never refilled while its WRITE may
-    # still be reading it.
-    wb_off = alloc.alloc(max(n_wb, 1) * geom.full_block_bytes) if wb is not None else None
-    try:
-        n_kv = n_prompt
-        next_block = first_new_block
-        _write_full(request, agent, geom, kv, n_kv, next_block, wb, wb_off, hbm, out, writes)
-        next_block = max(next_block, n_kv // geom.block_size)
-        tok = first_token
-        for _ in range(gen_len - 1):
-            res = model.prefill([tok], past_kv=kv, last_only=True)
-            kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(kv, res.new_kv)]
-            n_kv += 1
-            tok = int(torch.argmax(res.logits[-1]))
-            out.tokens.append(tok)
-            if n_kv % geom.block_size == 0:  # a Full Block just filled: write it back now
-                _write_full(request, agent, geom, kv, n_kv, next_block, wb, wb_off, hbm, out, writes)
-                next_block = n_kv // geom.block_size
-        for x in writes:
-            x.wait(timeout_s)
-    finally:
-        if wb_off is not None:
-            alloc.free(wb_off)
-    out.total_s = time.perf_counter() - t0
-    return out
+@dataclass
+class _Step:
+    jobs: list[DecodeJob]
+    new: list[tuple[int, list[KV]]]  # per job: the token and its KV, published at `end`
+    start: float
+    end: float
+    timing: PassTiming
 
 
-def _write_full(request: str, agent, geom: BlockGeometry, kv, n_kv: int, first_block: int,
-                wb: Span | None, wb_off: int | None, hbm: np.ndarray, out: DecodeOutcome, writes: list) -> None:
-    """WRITE every complete, not yet written block in [first_block, n_kv // block_size) to the
-    DE buffer (D2H through the CNIC) as soon as it is full."""
-    if wb is None:
-        return
-    bs, fb = geom.block_size, geom.full_block_bytes
-    for b in range(first_block, n_kv // bs):
-        j = len(out.written_blocks)
-        slot = wb_off + j * fb
-        staging = torch.from_numpy(hbm[slot: slot + fb]).view(geom.full_block_shape)
-        build_full_block([(k[b * bs:(b + 1) * bs], v[b * bs:(b + 1) * bs]) for k, v in kv], geom, out=staging)
-        writes.append(agent.post("WRITE", wb.peer, "hbm", wb.region, [(slot, wb.offset + j * fb, fb)],
-                                 layer=f"wb{b}", notif=f"{request}/wb{b}"))  # the host agent waits for it
-        out.written_blocks.append(b)
-        out.block_crcs.append(zlib.crc32(staging.numpy()))
-        out.written_bytes += fb
+class DecodeBatcher:
+    """The engine's requests between steps: loading, in the batch, or finishing their saves."""
 
+    def __init__(self, model: Transformer, geom: BlockGeometry, clock: DeviceClock | None = None,
+                 cost: DecodeCostModel | None = None) -> None:
+        self.model, self.geom = model, geom
+        self.clock = clock or DeviceClock()
+        if self.clock.emulated and cost is None:
+            raise ValueError("an emulated clock needs the target's decode cost model")
+        self.cost = cost
+        self.loading: list[DecodeJob] = []
+        self.batch: list[DecodeJob] = []
+        self.finishing: list[DecodeJob] = []
+        self.step_log: list[dict] = []  # one record per step: batch size, timing
+        self._step: _Step | None = None
 
-def _until_landed(agent, hbm: np.ndarray, geom: BlockGeometry, src: Span, off: int, n_prompt: int,
-                  expect: list[int], out: DecodeOutcome, timeout_s: float) -> None:
-    """Re-read the rows the PE wrote until their CRC matches what it sent.
-
-    Over UCX's TCP transport a WRITE's completion (and even its notification)
-    can reach the target before all of its bytes are applied there: measured
-    here as stale 4 KiB pieces. A READ's completion is definitive, so the
-    reader checks and, for the few layers that are late, reads again.
-    """
-    bpt = geom.bytes_per_token_per_layer
-    layer_bytes = n_prompt * bpt
-    deadline = time.monotonic() + timeout_s
-    while True:
-        late = [l for l in range(geom.n_layer)
-                if zlib.crc32(hbm[off + l * layer_bytes: off + (l + 1) * layer_bytes]) != expect[l]]
-        if not late:
+    # -- requests in ----------------------------------------------------------------------------
+    def admit(self, job: DecodeJob) -> None:
+        job.tokens = [job.first_token]
+        job.token_times = [job.t_first_token]
+        job.next_block = job.plan.first_new_block
+        try:
+            job.conn.start_load(job.plan)
+        except Exception as e:
+            self._fail(job, e)
+            self.finishing.append(job)
             return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"KV from the PE never landed intact in {src.peer} (layers {late}); "
-                               f"the data plane lost or corrupted bytes")
-        time.sleep(0.002)
-        descs = np.concatenate([token_rows_descs(geom, l, 0, n_prompt, off + l * layer_bytes,
-                                                 src.offset) for l in late])
-        agent.post("READ", src.peer, "hbm", src.region, descs, layer="reread").wait(timeout_s)
-        out.reread_bytes += int(descs[:, 2].sum())
+        self.loading.append(job)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.loading or self.batch or self.finishing or self._step)
+
+    def wants_step(self) -> bool:
+        return self._step is None and bool(self.batch)
+
+    def step_due_in(self) -> float | None:
+        """Seconds until the running step's window ends (None if no step is running)."""
+        return None if self._step is None else max(0.0, self._step.end - self.clock.now())
+
+    # -- progress -------------------------------------------------------------------------------
+    def poll(self) -> list[DecodeJob]:
+        """Advance loads, end a step whose window is over, finish saves; returns finished jobs."""
+        still = []
+        for job in self.loading:
+            try:
+                kv = job.conn.poll_load()
+            except Exception as e:
+                self._fail(job, e)
+                self.finishing.append(job)
+                continue
+            if kv is None:
+                still.append(job)
+                continue
+            job.kv = kv
+            self._save_full_blocks(job)  # blocks the prompt itself completed
+            (self.finishing if job.done_decoding or job.error else self.batch).append(job)
+        self.loading = still
+        if self._step is not None and self.clock.now() >= self._step.end:
+            self._publish(self._step)
+            self._step = None
+        done, still = [], []
+        for job in self.finishing:
+            try:
+                saved = job.error is not None or job.conn.poll_save()
+            except Exception as e:
+                self._fail(job, e)
+                saved = True
+            if saved:
+                job.conn.close()
+                done.append(job)
+            else:
+                still.append(job)
+        self.finishing = still
+        return done
+
+    def begin_step(self) -> None:
+        """Compute one token for every request in the batch; its window ends later (poll)."""
+        jobs, self.batch = self.batch, []
+        timing = PassTiming()
+        t0 = self.clock.now()
+        c0, u0 = time.perf_counter(), time.thread_time()
+        toks, kvs = self.model.decode_step([j.tokens[-1] for j in jobs], [j.kv for j in jobs])
+        new = list(zip(toks, kvs))
+        timing.compute_wall_s = time.perf_counter() - c0
+        timing.compute_cpu_s = time.thread_time() - u0
+        emulated = self.cost.step_cost([j.n_kv + 1 for j in jobs]) if self.clock.emulated else 0.0
+        end = self.clock.deadline(t0, emulated, timing)
+        self._step = _Step(jobs, new, t0, end, timing)
+
+    def _publish(self, step: _Step) -> None:
+        t = step.end
+        for job, (tok, new_kv) in zip(step.jobs, step.new):
+            job.kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(job.kv, new_kv)]
+            job.tokens.append(tok)
+            job.token_times.append(t)
+            self._save_full_blocks(job)
+            (self.finishing if job.done_decoding or job.error else self.batch).append(job)
+        self.step_log.append({"t_start": step.start, "t_end": t, "n": len(step.jobs), **step.timing.to_dict(),
+                              "overran": step.timing.overran})
+
+    def _save_full_blocks(self, job: DecodeJob) -> None:
+        """Every Full Block the request's KV has completed and not yet saved, as soon as it fills."""
+        bs = self.geom.block_size
+        try:
+            while (job.next_block + 1) * bs <= job.n_kv:
+                job.conn.save_block(job.next_block, job.kv)
+                job.next_block += 1
+        except Exception as e:
+            self._fail(job, e)
+
+    @staticmethod
+    def _fail(job: DecodeJob, e: Exception) -> None:
+        if job.error is None:
+            job.error = f"{type(e).__name__}: {e}"

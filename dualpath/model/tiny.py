@@ -34,6 +34,10 @@ KINDS = ("qwen2", "llama")
 # The end-to-end demo's model: deeper, so "about one layer of hit KV resident" in layerwise prefill
 # stands out against all layers in basic, with one KV head to keep KV per token at 2 KiB.
 DEMO = dict(num_hidden_layers=8, num_key_value_heads=1)
+# Its KV bytes per token over all layers (float32 K and V of 1 head of 128 / 4 dims, 8 layers):
+# what sets a run's dilation, known without building the model.
+DEMO_KV_BYTES_PER_TOKEN = 2 * DEMO["num_key_value_heads"] * (TINY["hidden_size"] // TINY["num_attention_heads"]) \
+    * 4 * DEMO["num_hidden_layers"]
 
 
 def tiny_hf_config(kind: str = "qwen2", **overrides):

@@ -225,6 +225,59 @@ class Transformer:
                          for i in range(0, x.shape[0], T)]) if n else x.new_empty((0, self.config.vocab_size))
         return out[off:off + n]
 
+    @torch.no_grad()
+    def decode_step(self, tokens: Sequence[int], past_kv: Sequence[Sequence[KV]]) -> tuple[list[int], list[list[KV]]]:
+        """One decode step of a batch: sequence i feeds tokens[i] after its past_kv[i].
+
+        Returns each sequence's greedy next token and the fed token's KV per layer. Bit-identical
+        to `prefill([tokens[i]], past_kv[i], last_only=True)` for each sequence on its own: every
+        sequence still runs on its own position-aligned tile (see the module docstring), and the
+        tiles are only stacked for the row-wise ops (linear layers, norms, RoPE, SiLU), whose
+        result for a row does not depend on the other rows (checked in tests/test_model.py;
+        attention stays per sequence). What batching saves is the per-op overhead of a CPU
+        decode step, which otherwise dominates a one-token step of a small model.
+        """
+        c, T, B = self.config, self.tile, len(tokens)
+        if B == 0:
+            return [], []
+        if len(past_kv) != B:
+            raise ValueError(f"{B} tokens but {len(past_kv)} pasts")
+        P = [self._check_past(*pk[0]) if pk else 0 for pk in past_kv]
+        rows = [p % T for p in P]  # the token's row in its tile
+        tiles = [p // T for p in P]
+        self._ensure_rope((max(tiles) + 1) * T)
+        kv_shape = (c.n_kv_heads, c.head_dim)
+        x = torch.zeros(B * T, c.hidden_size, dtype=self.dtype, device=self.device)
+        emb = self.embed(tokens)
+        for i in range(B):
+            x[i * T + rows[i]] = emb[i]
+        cos = torch.cat([self._cos[t * T:(t + 1) * T] for t in tiles])[:, None, :]
+        sin = torch.cat([self._sin[t * T:(t + 1) * T] for t in tiles])[:, None, :]
+        new_kv: list[list[KV]] = [[] for _ in range(B)]
+        for l, w in enumerate(self.layers):
+            h = self._rmsnorm(x, w["ln1"])
+            q = F.linear(h, w["wq"], w["bq"]).view(B * T, c.n_heads, c.head_dim)
+            k = F.linear(h, w["wk"], w["bk"]).view(B * T, *kv_shape)
+            v = F.linear(h, w["wv"], w["bv"]).view(B * T, *kv_shape)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            att = []
+            for i in range(B):
+                t, r, n = tiles[i], rows[i], (tiles[i] + 1) * T
+                K = torch.zeros(n, *kv_shape, dtype=self.dtype, device=self.device)
+                V = torch.zeros_like(K)
+                if P[i]:
+                    K[:P[i]], V[:P[i]] = past_kv[i][l]
+                K[P[i]], V[P[i]] = k[i * T + r], v[i * T + r]
+                att.append(self._attend(q[i * T:(i + 1) * T], K, V))
+                new_kv[i].append((K[P[i]:P[i] + 1].clone(), V[P[i]:P[i] + 1].clone()))
+            x = x + F.linear(torch.cat(att), w["wo"], w["bo"])
+            h = self._rmsnorm(x, w["ln2"])
+            g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
+            x = x + F.linear(g, w["wd"], w["bd"])
+        logits = F.linear(self._rmsnorm(x, self.norm_w), self.lm_head_w)
+        return [int(torch.argmax(logits[i * T + rows[i]])) for i in range(B)], new_kv
+
     # -- conveniences built on the per-layer API -----------------------------------------------
 
     @torch.no_grad()

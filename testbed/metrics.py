@@ -1,0 +1,58 @@
+"""Per-request latencies from token timestamps, and their percentiles (pure arithmetic).
+
+For a request that arrived at `t_arrive` and produced tokens at `token_times` (the first one at
+the end of its prefill, the others at the end of the decode steps that made them):
+- TTFT, time to first token: token_times[0] - t_arrive;
+- TTST, time to second token: token_times[1] - t_arrive. The paper reports it apart from TTFT
+  because the second token waits for the prefill-to-decode KV transfer;
+- TPOT, time per output token: the mean gap between consecutive tokens after the second,
+  (token_times[-1] - token_times[1]) / (n - 2), so that the P->D transfer sits in TTST only.
+Requests with too few tokens have no TTST (1 token) or TPOT (< 3 tokens).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+PERCENTILES = (50, 90, 99)
+
+
+def token_latencies(t_arrive: float, token_times: Sequence[float]) -> dict[str, float | None]:
+    """{"ttft", "ttst", "tpot"} of one request, in the units of its timestamps."""
+    n = len(token_times)
+    if any(b < a for a, b in zip(token_times, token_times[1:])) or (n and token_times[0] < t_arrive):
+        raise ValueError(f"token times must not decrease and must follow the arrival ({t_arrive}): {list(token_times)[:5]}")
+    return {"ttft": token_times[0] - t_arrive if n else None,
+            "ttst": token_times[1] - t_arrive if n >= 2 else None,
+            "tpot": (token_times[-1] - token_times[1]) / (n - 2) if n >= 3 else None}
+
+
+def percentiles(values: Iterable[float | None], ps: Sequence[int] = PERCENTILES,
+                scale: float = 1.0) -> dict[str, float | None]:
+    """{"p50": ..., "p90": ..., "p99": ...} of the non-None values times `scale`, by linear
+    interpolation between closest ranks (numpy's default); None for each when there are none."""
+    xs = sorted(v * scale for v in values if v is not None)
+    out: dict[str, float | None] = {}
+    for p in ps:
+        if not xs:
+            out[f"p{p}"] = None
+            continue
+        pos = (len(xs) - 1) * p / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out[f"p{p}"] = round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 6)
+    return out
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((s, e) for s, e in intervals if e > s):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total

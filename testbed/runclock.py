@@ -1,0 +1,50 @@
+"""A run's time base: the target GPU and the dilation, or the host's own time (DESIGN.md 3a).
+
+On an emulated clock the engines hold every pass and decode step for the target's duration
+times the dilation k (emulators/gpu/cost.py: dilation), so one emulated second lasts k
+testbed seconds. Reports give emulated seconds, testbed seconds beside them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.layouts import BlockGeometry
+from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
+from testbed.topology import Topology
+
+
+@dataclass(frozen=True)
+class RunClock:
+    emulated: bool
+    dilation: float  # testbed seconds per emulated second (1 on the host's clock)
+    target: str  # "qwen2.5-32b on h800"
+    kv_bytes_per_token: tuple[int, int]  # (testbed model, target model)
+    prefill_cost: AttentionCostModel | None = None  # the target's, in emulated seconds
+    decode_cost: DecodeCostModel | None = None
+    prefill_tokens_per_s: float | None = None  # the target's, per emulated second (beta)
+
+    @classmethod
+    def of(cls, topo: Topology, geom: BlockGeometry) -> "RunClock":
+        tb = geom.bytes_per_token_per_layer * geom.n_layer
+        tgt = topo.target()
+        name = f"{topo.spec.target.model} on {topo.spec.target.gpu}"
+        if not topo.emulated:
+            return cls(False, 1.0, name, (tb, tgt.model.kv_bytes_per_token))
+        return cls(True, topo.dilation(tb), name, (tb, tgt.model.kv_bytes_per_token),
+                   tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0))
+
+    def engine_timing(self) -> dict | None:
+        """What the engines need to keep the target's time (None: the host's)."""
+        if not self.emulated:
+            return None
+        return {"dilation": self.dilation, "prefill": self.prefill_cost.to_dict(),
+                "decode": self.decode_cost.to_dict()}
+
+    def to_emulated(self, testbed_s: float) -> float:
+        return testbed_s / self.dilation
+
+    def to_dict(self) -> dict:
+        return {"compute": "emulated" if self.emulated else "cpu", "target": self.target,
+                "dilation": round(self.dilation, 6),
+                "kv_bytes_per_token": {"testbed": self.kv_bytes_per_token[0], "target": self.kv_bytes_per_token[1]},
+                "emulated_second_in_testbed_s": round(self.dilation, 6)}

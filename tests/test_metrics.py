@@ -1,0 +1,72 @@
+"""Latencies from token timestamps, percentiles, busy time, and the fidelity verdict's arithmetic."""
+import pytest
+
+from testbed.fidelity import LinkUse, link_use, payload_share, verdict
+from testbed.metrics import busy_time, percentiles, token_latencies
+
+
+def test_token_latencies_of_a_synthetic_timeline():
+    # arrives at 10; first token at 10.5 (prefill), second at 11.25 (after the P->D transfer),
+    # then one every 0.05 s
+    times = [10.5, 11.25, 11.30, 11.35, 11.40]
+    lat = token_latencies(10.0, times)
+    assert lat["ttft"] == pytest.approx(0.5)
+    assert lat["ttst"] == pytest.approx(1.25)
+    assert lat["tpot"] == pytest.approx(0.05)
+
+
+def test_short_requests_have_no_ttst_or_tpot():
+    assert token_latencies(0.0, [1.0]) == {"ttft": 1.0, "ttst": None, "tpot": None}
+    assert token_latencies(0.0, [1.0, 3.0])["tpot"] is None
+
+
+def test_time_going_backwards_is_an_error():
+    with pytest.raises(ValueError):
+        token_latencies(0.0, [2.0, 1.0])
+    with pytest.raises(ValueError):
+        token_latencies(5.0, [4.0])
+
+
+def test_percentiles_interpolate_like_numpy_and_scale():
+    import numpy as np
+
+    xs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    got = percentiles(xs + [None])
+    for p in (50, 90, 99):
+        assert got[f"p{p}"] == pytest.approx(float(np.percentile(xs, p)))
+    assert percentiles(xs, scale=0.5)["p50"] == pytest.approx(float(np.percentile(xs, 50)) / 2)
+    assert percentiles([None]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert busy_time([(0, 1), (0.5, 2), (3, 4), (3.5, 3.6), (5, 5)]) == pytest.approx(3.0)
+    assert busy_time([]) == 0.0
+
+
+def test_link_use_clips_to_the_run_and_judges_saturation():
+    rate = 80e6  # bit/s: 10 MB/s of wire
+    share = payload_share(9000)
+    # busy 8 s of a 10 s run, 8 s x 10 MB/s x share bytes: exactly at its rate
+    loads = [(-1.0, 1.0, int(1e7 * share)), (1.0, 8.0, int(7e7 * share))]
+    u = link_use("p0/snic", rate, (0.0, 10.0), loads, 9000)
+    assert u.busy_s == pytest.approx(8.0)
+    assert u.should_saturate
+    # the first load is clipped to the run but keeps its bytes (it ended inside): a slight overcount
+    assert u.rate_share == pytest.approx((8e7 * share) / 8 / (1e7 * share), rel=1e-6)
+    slow = LinkUse("d0/snic", rate, 10.0, 8.0, int(8 * 1e7 * share * 0.5), share)
+    ok, reasons = verdict([], [], 0.5, [slow])
+    assert not ok and "d0/snic was the bottleneck" in reasons[0] and "50%" in reasons[0]
+    idle = LinkUse("d0/snic", rate, 10.0, 2.0, 1000, share)  # busy 20 %: not a bottleneck, not judged
+    assert verdict([], [], 0.5, [idle]) == (True, [])
+
+
+def test_cpu_saturation_is_unfaithful():
+    ok, reasons = verdict([], [{"overran": False, "late_s": 0, "held_s": 0.1}], 0.91, [])
+    assert not ok and "CPU busy 91%" in reasons[0]
+    assert verdict([], [], 0.85, []) == (True, [])
+
+
+def test_overran_steps_are_counted_in_the_reason():
+    steps = [{"overran": True, "late_s": 0.02, "held_s": 0.1}, {"overran": False, "late_s": 0.0, "held_s": 0.1}]
+    ok, reasons = verdict([], steps, 0.2, [])
+    assert not ok and reasons == ["1 of 2 decode steps overran their emulated time (worst: 20.0 ms late on a 100.0 ms window)"]
