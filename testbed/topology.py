@@ -38,7 +38,7 @@ _HINTS: dict[str, str] = {
     "storage.nic_gbps": "set storage.nic_gbps to a positive number (paper units)",
     "qos": "set qos to on or off",
     "compute": "set compute to emulated (the target GPU's time) or cpu (the host's own time)",
-    "target": "give a target: {gpu: h800, model: qwen2.5-32b}; `dualpath topo` lists the known ones",
+    "target": "name a known GPU and model, e.g. target: {gpu: h800, model: qwen2.5-32b}",
     "target.gpu": "name a known GPU, e.g. h800 (see emulators/gpu/specs.py)",
     "target.model": "name a known target model, e.g. qwen2.5-32b (see emulators/gpu/models.py)",
     "mtu": "set mtu to an integer in [576, 9000]",
@@ -65,7 +65,10 @@ class TargetSpec(_Strict):
     def _known(self) -> "TargetSpec":
         from emulators.gpu.cost import target
 
-        target(self.gpu, self.model)  # a one-line ValueError names the bad one and the known ones
+        try:
+            target(self.gpu, self.model)
+        except KeyError as e:  # names the bad one and the known ones, in one line
+            raise ValueError(e.args[0]) from None
         return self
 
 

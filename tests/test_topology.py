@@ -53,6 +53,9 @@ def _without(key: str) -> dict:
     ({**GOOD, "engines_per_node": 0}, "engines_per_node"),  # g = 0
     ({**GOOD, "storage": {**GOOD["storage"], "disk_gbps": -1}}, "storage.disk_gbps"),
     ({**GOOD, "qos": "maybe"}, "qos"),
+    ({**GOOD, "compute": "gpu"}, "compute"),
+    ({**GOOD, "target": {"gpu": "a100", "model": "qwen2.5-32b"}}, "target"),
+    ({**GOOD, "target": {"gpu": "h800", "model": "gpt-5"}}, "target"),
 ])
 def test_bad_field_one_line_error(tmp_path, doc, field):
     path = _write(tmp_path, doc)
@@ -84,3 +87,21 @@ def test_cli_bad_topology_is_one_line_no_traceback(tmp_path):
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "engines_per_node" in lines[0] and str(path) in lines[0]
+
+
+def test_the_time_scale_follows_the_target_and_the_link_scale():
+    t = parse_topology(GOOD)
+    # Qwen2.5-32B keeps 256 KiB of KV per token; the demo model 2 KiB; links run at 1/400
+    assert t.dilation(2048) == pytest.approx(2048 / 262144 * 400)
+    assert t.dilation(4096) == pytest.approx(2 * t.dilation(2048))
+    fast = parse_topology({**GOOD, "scale": 0.005})  # links twice as fast: time runs twice as fast
+    assert fast.dilation(2048) == pytest.approx(t.dilation(2048) / 2)
+    assert parse_topology({**GOOD, "compute": "cpu"}).dilation(2048) == 1.0
+    line = t.describe(2048)[-1]
+    assert "qwen2.5-32b on h800" in line and "dilation k = 3.12" in line
+
+
+def test_cli_topo_prints_target_and_dilation():
+    r = dualpath("topo", str(REPO / "topologies" / "1p1d-io.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "target qwen2.5-32b on h800" in r.stdout and "one emulated second lasts 3.12 s here" in r.stdout

@@ -388,7 +388,7 @@ def scaled(preset: PaperTraceSet | str, factor: float, *, n_trajectories: int | 
 
 
 def demo_workload(seed: int = 0, **overrides) -> WorkloadConfig:
-    """The end-to-end demo: 24 trajectories of >= 8 turns (12 on average) over a shared 512-token
+    """The end-to-end demo: 24 trajectories of 8 to 12 turns (10 on average) over a shared 512-token
     system prompt, appends ~24 and generations ~6 tokens, vocab 512, max_len 2048.
 
     Shaped like the paper's traces where it matters for I/O: each turn reads back a context two
@@ -396,7 +396,7 @@ def demo_workload(seed: int = 0, **overrides) -> WorkloadConfig:
     turn against 176 generated, 186:1; here about 700:6) and appends little (hit rate about 0.95
     with 16-token blocks, 0.93 with the runs' 32). The lengths are scaled down so that a run of
     every mode finishes in minutes on two cores."""
-    base = dict(n_trajectories=24, turns_mean=12.0, turns_min=8, turns_cv=0.25, append_mean=24.0,
+    base = dict(n_trajectories=24, turns_mean=10.0, turns_min=8, turns_cv=0.1, append_mean=24.0,
                 append_cv=0.5, gen_mean=6.0, gen_cv=0.3, system_prompt_len=512, max_len=2048, vocab_size=512, seed=seed,
                 name="demo", notes=("sized for the 1p1d-io e2e demo on a 2-core machine",))
     base.update(overrides)
