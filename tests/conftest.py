@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.store_helpers"]  # the store tests' server fixtures
+pytest_plugins = ["tests.store_helpers", "tests.smollm2_helpers"]  # the store tests' server fixtures; SmolLM2
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "testbed.cli"]

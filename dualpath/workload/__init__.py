@@ -1,14 +1,15 @@
 """Workloads (DESIGN.md section 9): generated agentic trajectories, the paper's trace statistics,
-public Mooncake traces, and the KV hit rate they imply."""
+public Mooncake traces, scripted real-text conversations (text.py), and the KV hit rate they imply."""
 from .mooncake import MOONCAKE_BLOCK, TraceError, TraceRequest, load_mooncake, prefix_hit_rate, to_trajectories
 from .trajectories import (
     RESERVED_TOKENS, PaperTraceSet, Trajectory, Turn, TurnHit, Workload, WorkloadConfig, demo_workload,
     generate, hit_rate, paper_presets, poisson_arrivals, scaled, turn_hits, with_arrivals, workload_stats,
 )
+from .text import TextTrajectory, TextTurn, TextWorkload, text_workload
 
 __all__ = [
     "MOONCAKE_BLOCK", "TraceError", "TraceRequest", "load_mooncake", "prefix_hit_rate", "to_trajectories",
     "RESERVED_TOKENS", "PaperTraceSet", "Trajectory", "Turn", "TurnHit", "Workload", "WorkloadConfig",
     "demo_workload", "generate", "hit_rate", "paper_presets", "poisson_arrivals", "scaled", "turn_hits",
-    "with_arrivals", "workload_stats",
+    "with_arrivals", "workload_stats", "TextTrajectory", "TextTurn", "TextWorkload", "text_workload",
 ]
