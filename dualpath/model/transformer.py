@@ -204,32 +204,35 @@ class Transformer:
         k_new = torch.empty(n, *kv_shape, dtype=self.dtype, device=self.device)
         v_new = torch.empty_like(k_new)
         off = P - t0 * T  # row of the first new token in the padded buffer
-        x = hidden.new_zeros(((t1 - t0) * T, c.hidden_size))
+        nt = (t1 - t0) * T
+        x = hidden.new_zeros((nt, c.hidden_size))
         x[off:off + n] = hidden
-        out = torch.empty_like(x)
+        # Every tile's row-wise ops (norms, projections, RoPE, MLP) run stacked in one call each:
+        # a row's result does not depend on the other rows (tests/test_model.py checks it bit for
+        # bit), and one call instead of one per tile is most of a CPU prefill's time. Attention
+        # stays per tile: tile t sees keys [0, (t+1)*T) with its own causal mask.
+        h = self._rmsnorm(x, w["ln1"])
+        q = F.linear(h, w["wq"], w["bq"]).view(nt, c.n_heads, c.head_dim)
+        k = F.linear(h, w["wk"], w["bk"]).view(nt, *kv_shape)
+        v = F.linear(h, w["wv"], w["bv"]).view(nt, *kv_shape)
+        cos, sin = self._cos[t0 * T:t1 * T, None, :], self._sin[t0 * T:t1 * T, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_new.copy_(k[off:off + n])
+        v_new.copy_(v[off:off + n])
+        Kh[:, :, P:P + n], Vh[:, P:P + n] = k_new.permute(1, 2, 0), v_new.permute(1, 0, 2)
+        att = []
         for t in range(t0, t1):
             rows = slice((t - t0) * T, (t - t0 + 1) * T)
-            lo, hi = max(P, t * T), min(P + n, (t + 1) * T)  # absolute positions of real new rows
-            xt = x[rows]
-            h = self._rmsnorm(xt, w["ln1"])
-            q = F.linear(h, w["wq"], w["bq"]).view(T, c.n_heads, c.head_dim)
-            k = F.linear(h, w["wk"], w["bk"]).view(T, *kv_shape)
-            v = F.linear(h, w["wv"], w["bv"]).view(T, *kv_shape)
-            cos, sin = self._cos[t * T:(t + 1) * T, None, :], self._sin[t * T:(t + 1) * T, None, :]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kr, vr = k[lo - t * T:hi - t * T], v[lo - t * T:hi - t * T]
-            k_new[lo - P:hi - P], v_new[lo - P:hi - P] = kr, vr
-            Kh[:, :, lo:hi], Vh[:, lo:hi] = kr.permute(1, 2, 0), vr.permute(1, 0, 2)
             L = (t + 1) * T
             if L == L_all:  # the last tile (a decode step's only one) attends to the whole buffers
-                a = self._attend(q, Kh, Vh)
+                att.append(self._attend(q[rows], Kh, Vh))
             else:  # an earlier tile: a contiguous copy of its key range, as the last tile sees its own
-                a = self._attend(q, Kh[:, :, :L].contiguous(), Vh[:, :L].contiguous())
-            xt = xt + F.linear(a, w["wo"], w["bo"])
-            h = self._rmsnorm(xt, w["ln2"])
-            g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
-            out[rows] = xt + F.linear(g, w["wd"], w["bd"])
+                att.append(self._attend(q[rows], Kh[:, :, :L].contiguous(), Vh[:, :L].contiguous()))
+        x = x + F.linear(torch.cat(att) if len(att) > 1 else att[0], w["wo"], w["bo"])
+        h = self._rmsnorm(x, w["ln2"])
+        g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
+        out = x + F.linear(g, w["wd"], w["bd"])
         return out[off:off + n], k_new, v_new
 
     @torch.no_grad()
@@ -282,15 +285,18 @@ class Transformer:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             att = []
-            for i in range(B):
-                t, r, n = tiles[i], rows[i], (tiles[i] + 1) * T
-                K = torch.zeros(n, *kv_shape, dtype=self.dtype, device=self.device)
-                V = torch.zeros_like(K)
-                if P[i]:
-                    K[:P[i]], V[:P[i]] = past_kv[i][l]
-                K[P[i]], V[P[i]] = k[i * T + r], v[i * T + r]
-                att.append(self._attend(q[i * T:(i + 1) * T], K, V))
-                new_kv[i].append((K[P[i]:P[i] + 1].clone(), V[P[i]:P[i] + 1].clone()))
+            for i in range(B):  # attention per sequence, exactly as layer_forward's one tile
+                p, r, n = P[i], rows[i], (tiles[i] + 1) * T
+                kh = torch.zeros(c.n_kv_heads, c.head_dim, n, dtype=self.dtype, device=self.device)
+                vh = torch.zeros(c.n_kv_heads, n, c.head_dim, dtype=self.dtype, device=self.device)
+                if p:
+                    pk, pv = past_kv[i][l]
+                    kh[:, :, :p] = pk.permute(1, 2, 0)
+                    vh[:, :p] = pv.permute(1, 0, 2)
+                kr, vr = k[i * T + r:i * T + r + 1], v[i * T + r:i * T + r + 1]
+                kh[:, :, p:p + 1], vh[:, p:p + 1] = kr.permute(1, 2, 0), vr.permute(1, 0, 2)
+                att.append(self._attend(q[i * T:(i + 1) * T], kh, vh))
+                new_kv[i].append((kr.clone(), vr.clone()))
             x = x + F.linear(torch.cat(att), w["wo"], w["bo"])
             h = self._rmsnorm(x, w["ln2"])
             g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
