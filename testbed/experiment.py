@@ -362,10 +362,13 @@ def interfaces_of(r: RequestRecord, mode: str) -> dict[str, int]:
 def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: Path, command: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **summary}, indent=2) + "\n")
+    k = summary.get("dilation", 1.0)
     with open(run_dir / "records.jsonl", "w") as f:
         for res in results:
             for r in res.records:
-                f.write(json.dumps({**r.to_json(), "interfaces": interfaces_of(r, res.mode)}) + "\n")
+                lat = token_latencies(r.t_arrive, r.token_times) if r.token_times else {}
+                emulated = {f"{name}_s": (round(v / k, 6) if v is not None else None) for name, v in lat.items()}
+                f.write(json.dumps({**r.to_json(), **emulated, "interfaces": interfaces_of(r, res.mode)}) + "\n")
     # the engines' own time series: every prefill pass and decode step (testbed seconds)
     with open(run_dir / "passes.jsonl", "w") as f:
         for res in results:
