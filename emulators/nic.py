@@ -116,20 +116,3 @@ def parse_class_drops(text: str) -> dict[str, int]:
 def parse_class_packets(text: str) -> dict[str, int]:
     """Packets (segments: HTB counts a GSO bundle as its segments) sent per HTB class id."""
     return {m.group(1): int(m.group(3)) for m in _CLASS_RE.finditer(text)}
-
-
-def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:
-    return parse_class_stats(_show(dev, ns))
-
-
-def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int, int]]:
-    """(bytes, packets, drops) per HTB class id of a device."""
-    text = _show(dev, ns)
-    b, p, d = parse_class_stats(text), parse_class_packets(text), parse_class_drops(text)
-    return {c: (b[c], p[c], d[c]) for c in b}
-
-
-def _show(dev: str, ns: str | None) -> str:
-    from testbed.shell import run  # emulators stay importable without the testbed
-
-    return run(["tc", "-s", "class", "show", "dev", dev], ns=ns)

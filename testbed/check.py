@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
-from emulators.nic import ROOT_CLASS, class_bytes, class_for
+from emulators.nic import ROOT_CLASS, class_for
+from testbed.counters import class_bytes
 from testbed.fabric import Fabric, Nic
 from testbed.iperf import FlowResult, client_argv, flow, IperfServer, parse_client
 from testbed.monitor import CPU_SATURATED, Monitor

@@ -129,7 +129,7 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     if what not in ("transport", "store"):
         _fail(f"bench: unknown target {what!r}; choose transport or store")
     _need_root()
-    from testbed.bench import bench_store, bench_transport
+    from testbed.benches import bench_store, bench_transport
 
     t = _topology(topology)
     run_id = time.strftime("%Y%m%d-%H%M%S")

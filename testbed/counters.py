@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from dualpath.accounting import STORAGE_OWNER
 from dualpath.traffic_classes import KV, MODEL
-from emulators.nic import ROOT_CLASS, class_counters, class_for
+from emulators.nic import ROOT_CLASS, class_for, parse_class_drops, parse_class_packets, parse_class_stats
+from testbed.shell import run
 from testbed.fabric import Fabric
 
 Key = tuple[str, str, str]  # (owner, kind, direction)
@@ -63,3 +64,18 @@ def delta(after: Snapshot, before: Snapshot) -> Snapshot:
 
     return Snapshot(d(after.kv_payload, before.kv_payload), d(after.kv_wire, before.kv_wire),
                     d(after.model_wire, before.model_wire), d(after.drops, before.drops))
+
+
+def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:
+    return parse_class_stats(_show(dev, ns))
+
+
+def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int, int]]:
+    """(bytes, packets, drops) per HTB class id of a device."""
+    text = _show(dev, ns)
+    b, p, d = parse_class_stats(text), parse_class_packets(text), parse_class_drops(text)
+    return {c: (b[c], p[c], d[c]) for c in b}
+
+
+def _show(dev: str, ns: str | None) -> str:
+    return run(["tc", "-s", "class", "show", "dev", dev], ns=ns)

@@ -29,7 +29,7 @@ from dualpath.transport import (
     rdma_devices,
 )
 from dualpath.transport.agent import Transfer
-from dualpath.transport.bench import CONTROL_PORT
+from testbed.benches.transport_nixl import CONTROL_PORT
 from emulators import dscp_marking
 from emulators.nic import CLASS_IDS, NicShape, htb_batch, parse_class_stats
 
@@ -356,7 +356,7 @@ def _counters(ns: str, dev: str) -> tuple[int, int]:
 
 def _bench(ns: str, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     iface = VETH_A if ns == NS_A else VETH_B
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "dualpath.transport.bench",
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "testbed.benches.transport_nixl",
            "--role", role, "--iface", iface, "--timeout", "20", *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     full_env.update(env or {})

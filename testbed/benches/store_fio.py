@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from .client import StoreClient
-from .keys import chain_keys
-from .striping import server_index
+from dualpath.store.client import StoreClient
+from dualpath.store.keys import chain_keys
+from dualpath.store.striping import server_index
 
 FIO = "/usr/bin/fio"
 
@@ -136,7 +136,7 @@ def bench_store_vs_fio(
     Servers run as local subprocesses on 127.0.0.1 (unshaped). Everything it
     creates lives in a temp dir under work_dir and is removed at the end.
     """
-    from emulators.kvstore.launch import ServerProcess  # the emulated server lives outside dualpath/
+    from emulators.kvstore.launch import ServerProcess
 
     n_blocks = max(1, total_bytes // block_bytes)
     total = n_blocks * block_bytes
@@ -227,7 +227,7 @@ def bench_store_vs_fio(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m dualpath.store.bench", description="store reads vs fio on one disk")
+    ap = argparse.ArgumentParser(prog="python -m testbed.benches.store_fio", description="store reads vs fio on one disk")
     ap.add_argument("--dir", default=".", help="a directory on the disk to measure (a temp dir is made inside)")
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--block-kib", type=int, default=1024)

@@ -1,9 +1,9 @@
 """Transport benchmarks and byte-exact checks between two processes (e.g. two engine namespaces).
 
     # in the target's namespace
-    python -m dualpath.transport.bench --role target --iface eth0 --bind-ip 10.0.0.2
+    python -m testbed.benches.transport_nixl --role target --iface eth0 --bind-ip 10.0.0.2
     # in the initiator's namespace
-    python -m dualpath.transport.bench --role initiator --iface eth0 --peer-ip 10.0.0.2 \
+    python -m testbed.benches.transport_nixl --role initiator --iface eth0 --peer-ip 10.0.0.2 \
         [--mode bench|check] [--iperf3] [--json out.json]
 
 The two exchange metadata over a ZeroMQ REQ/REP control socket (outside the kv port range);
@@ -36,9 +36,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .agent import DEFAULT_PROGRESS_DELAY_US, Agent, contiguous_descs
-from .env import TransportError, parse_port_range
-from .multiclass import MultiClassAgent
+from dualpath.transport.agent import DEFAULT_PROGRESS_DELAY_US, Agent, contiguous_descs
+from dualpath.transport.env import TransportError, parse_port_range
+from dualpath.transport.multiclass import MultiClassAgent
 
 CONTROL_PORT = 5557
 DEFAULT_SIZE = 64 << 20
@@ -500,7 +500,7 @@ def run_initiator(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dualpath.transport.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m testbed.benches.transport_nixl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=["target", "initiator"], required=True)
     ap.add_argument("--iface", required=True, help="interface this agent must use")

@@ -6,7 +6,7 @@ GPUs, one engine group per node. Each round refreshes every engine's report with
 a batch of requests, then times the pulls that place them all. The cost of a round divided by the
 requests it placed is one sample; the median over rounds is the figure of merit (budget 50 us).
 
-    python -m dualpath.scheduler.bench [--engines 1152] [--requests 20000] [--batch 32 1]
+    python -m testbed.benches.scheduler [--engines 1152] [--requests 20000] [--batch 32 1]
                                        [--policy shorter|rr|split|pe] [--nodes-per-group 1]
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import random
 import statistics
 import time
 
-from .core import Scheduler
-from .records import EngineReport, Request, Role
-from .thresholds import Profile
+from dualpath.scheduler.core import Scheduler
+from dualpath.scheduler.records import EngineReport, Request, Role
+from dualpath.scheduler.thresholds import Profile
 
 BUDGET_US = 50.0
 

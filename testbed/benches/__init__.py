@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from dualpath.traffic_classes import KV, MODEL
 from emulators.kvstore.launch import ServerProcess
-from emulators.nic import class_bytes, class_for
+from emulators.nic import class_for
+from testbed.counters import class_bytes
 from testbed.fabric import Fabric, Nic
 from testbed.iperf import flow
 from testbed.shell import ns_argv, run
@@ -37,10 +38,10 @@ def _json_tail(out: str) -> dict[str, Any]:
 
 
 def _transport_pair(fab: Fabric, args: list[str], timeout_s: float) -> dict[str, Any]:
-    """Target in d0e0, initiator in p0e0 (helper-built `dualpath.transport.bench`)."""
+    """Target in d0e0, initiator in p0e0 (helper-built `testbed.benches.transport_nixl`)."""
     tgt, ini = fab.endpoint("d0e0"), fab.endpoint("p0e0")
     tn, inn = tgt.nic("cnic"), ini.nic("cnic")
-    py = [sys.executable, "-m", "dualpath.transport.bench"]
+    py = [sys.executable, "-m", "testbed.benches.transport_nixl"]
     target = subprocess.Popen(ns_argv(tgt.name, [*py, "--role", "target", "--iface", tn.dev, "--bind-ip", tn.ip,
                                                  "--max-time", str(int(timeout_s)), *args]),
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
@@ -78,7 +79,7 @@ def bench_transport(fab: Fabric, progress: Callable[[str], None] = print) -> dic
 
 
 def bench_store(fab: Fabric, scratch: Path, progress: Callable[[str], None] = print) -> dict[str, Any]:
-    from dualpath.store.bench import bench_store_vs_fio
+    from testbed.benches.store_fio import bench_store_vs_fio
 
     store_ep = next(e for e in fab.endpoints if e.kind == "storage")
     node = fab.endpoint("p0")
