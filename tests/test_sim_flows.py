@@ -134,6 +134,18 @@ def test_model_borrows_the_part_of_the_kv_guarantee_that_kv_cannot_use():
     assert r[f] / B == pytest.approx(2.55, **exact) and r[m] / B == pytest.approx(252.45, **exact)
 
 
+def test_on_a_fifo_hop_the_classes_share_fairly_even_behind_a_qos_hop():
+    # m (model) and k (kv) cross FIFO link A (200 B/s) and QoS link Q (272 B/s, kv guarantee 16);
+    # y (model) crosses Q and a 71.5 B/s link. A is the bottleneck: m = k = 100, y = 71.5, and Q
+    # carries 271.5 of its 272 (not full: no class priority applies). From kv held to its
+    # guarantee on Q, each plain fill moves kv's cap by Q's 0.5 B/s of slack and nothing else
+    # (exactly, in binary): the solver has to stride instead of creeping 170 fills.
+    a, q, b = Link("A", 200 * B, qos=False), Link("Q", 272 * B), Link("B", 71.5 * B, qos=False)
+    m, k, y = Flow("m", (a, q), 1, MODEL.name), Flow("k", (a, q), 1, KV.name), Flow("y", (q, b), 1, MODEL.name)
+    r = max_min_rates([m, k, y])
+    assert [r[f] / B for f in (m, k, y)] == pytest.approx([100, 100, 71.5], **exact)
+
+
 def test_an_unsettled_fixed_point_warns_and_still_respects_every_link(monkeypatch):
     # The case above needs a second fill (f's kv share on the FIFO link is below its guarantee).
     import emulators.sim.flows as flows_mod
