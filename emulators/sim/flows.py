@@ -495,7 +495,7 @@ class FlowNetwork:
             _, _, f = heapq.heappop(self._pending)
             self._stale = True
             if f.bytes <= 0:
-                self._complete(f, max(t, f.active_at))
+                self._complete(f, t)  # within _time_tol of active_at: the event instant
                 done.append(f)
             else:
                 self._active[f] = None
