@@ -115,6 +115,11 @@ class Cluster:
         return sum(c.sent_bytes + c.recv_bytes
                    for c in (*self.clients.values(), *self.loaders.values(), *self.decoders.values()))
 
+    def pids(self) -> list[int]:
+        """Every process of the run: the node processes, the storage servers and this one."""
+        return [os.getpid(), *(p.proc.pid for p in self.procs.values()),
+                *(s.proc.pid for s in self.stores if s.proc is not None)]
+
     def engines(self, role: str) -> list[str]:
         return [n for n, p in self.procs.items() if p.role == role]
 

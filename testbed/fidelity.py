@@ -70,8 +70,9 @@ def link_use(nic: str, rate_bps: float, run: tuple[float, float], loads: Iterabl
 
 
 def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
-            links: Iterable[LinkUse]) -> tuple[bool, list[str]]:
-    """(faithful, reasons). `passes` and `steps` are PassTiming dicts with "overran"."""
+            links: Iterable[LinkUse], cpu_own: float | None = None) -> tuple[bool, list[str]]:
+    """(faithful, reasons). `passes` and `steps` are PassTiming dicts with "overran";
+    `cpu_own`, if known, is the testbed's own processes' share of the CPU (said in the reason)."""
     reasons = []
     for kind, recs in (("prefill passes", list(passes)), ("decode steps", list(steps))):
         late = [r for r in recs if r.get("overran")]
@@ -80,7 +81,8 @@ def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
             reasons.append(f"{len(late)} of {len(recs)} {kind} overran their emulated time (worst: "
                            f"{worst['late_s'] * 1e3:.1f} ms late on a {worst['held_s'] * 1e3:.1f} ms window)")
     if cpu_busy > CPU_BUSY_MAX:
-        reasons.append(f"CPU busy {cpu_busy:.0%} of both cores over the run (limit {CPU_BUSY_MAX:.0%}): "
+        own = f"; the testbed's processes {cpu_own:.0%}, the rest softirq and other work" if cpu_own is not None else ""
+        reasons.append(f"CPU busy {cpu_busy:.0%} of both cores over the run (limit {CPU_BUSY_MAX:.0%}{own}): "
                        f"the host, not the emulated cluster, set the pace")
     for u in links:
         if u.should_saturate and u.rate_share < SATURATION_MIN:

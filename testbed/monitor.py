@@ -21,6 +21,7 @@ class Sample:
     cpu_busy: int  # jiffies, all cores
     cpu_total: int
     bytes: dict[str, tuple[int, int]]  # bridge dev -> (rx, tx)
+    own: int = 0  # jiffies of the watched processes (the testbed's own), user + system
 
 
 def _read_cpu() -> tuple[int, int]:
@@ -28,6 +29,15 @@ def _read_cpu() -> tuple[int, int]:
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
+
+
+def _read_proc_jiffies(pid: int) -> int:
+    """utime + stime of a process, all its threads (0 once it has gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 def _read_bytes(dev: str) -> tuple[int, int]:
@@ -41,8 +51,12 @@ def _read_bytes(dev: str) -> tuple[int, int]:
 class Monitor:
     """Background sampler; use as a context manager around a measurement."""
 
-    def __init__(self, devs: list[str], interval_s: float = 0.1, max_samples: int = 100_000):
+    def __init__(self, devs: list[str], interval_s: float = 0.1, max_samples: int = 100_000,
+                 pids: list[int] | None = None):
+        """`pids`: processes whose CPU counts as the testbed's own; the rest of the machine's
+        busy time is someone else's (a run beside other work is judged, and told, apart)."""
         self.devs = devs
+        self.pids = list(pids or [])
         self.interval_s = interval_s
         self.max_samples = max_samples
         self.samples: list[Sample] = []
@@ -51,7 +65,8 @@ class Monitor:
 
     def sample(self) -> Sample:
         busy, total = _read_cpu()
-        s = Sample(time.monotonic(), busy, total, {d: _read_bytes(d) for d in self.devs})
+        s = Sample(time.monotonic(), busy, total, {d: _read_bytes(d) for d in self.devs},
+                   sum(_read_proc_jiffies(p) for p in self.pids))
         if len(self.samples) < self.max_samples:
             self.samples.append(s)
         return s
@@ -80,6 +95,12 @@ class Monitor:
         """Share of all cores busy over the window (0..1)."""
         a, b = self.window(t0 if t0 is not None else -1e18, t1 if t1 is not None else 1e18)
         return (b.cpu_busy - a.cpu_busy) / max(b.cpu_total - a.cpu_total, 1)
+
+    def cpu_own(self) -> float:
+        """Share of all cores the watched processes used over the whole run (0..1). Kernel
+        work done on their behalf in softirq (the emulated NICs' TCP) is not in it."""
+        a, b = self.samples[0], self.samples[-1]
+        return (b.own - a.own) / max(b.cpu_total - a.cpu_total, 1)
 
     def cpu_peak(self, t0: float, t1: float, span_s: float = 0.5) -> float:
         """Highest CPU busy share over any sub-window of about span_s."""
