@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -206,3 +208,108 @@ class AsyncRpcClient:
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close()
+
+
+class RouterServer:
+    """Many outstanding commands on one ROUTER socket, answered by id when each is done.
+
+    For work that takes long and must not block a node's other requests (a store read, a wait
+    for a peer's notifications, a write-back): each command is checked as it arrives (`admit`,
+    if given, may refuse it or count it), queued, run by one of `workers` threads in arrival
+    order, and answered with its request's "id" (dualpath.control.AsyncRpcClient matches them).
+    One worker keeps commands strictly in order, as a node's one SNIC reads them.
+    """
+
+    def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]], workers: int = 1,
+                 admit: Callable[[str, dict], None] | None = None,
+                 done: Callable[[str, dict], None] | None = None, name: str = "router") -> None:
+        """`admit(cmd, args)` runs on arrival (raise ValueError to refuse); `done(cmd, args)` after
+        the command ran, whatever its outcome."""
+        self.endpoint, self.name = endpoint, name
+        self.handlers = {cmd: validate_call(fn) for cmd, fn in handlers.items()}
+        self.workers, self._admit, self._done = workers, admit, done
+        self._work: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._done_ep = f"inproc://{name}-{id(self)}"
+
+    def start(self, max_seconds: float = 24 * 3600) -> "RouterServer":
+        self._ctx = zmq.Context()
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(max_seconds, ready), name=self.name, daemon=True).start()
+        ready.wait(10)
+        for i in range(self.workers):
+            threading.Thread(target=self._worker, name=f"{self.name}-worker{i}", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for _ in range(self.workers):
+            self._work.put(None)
+
+    # -- serving thread: owns the ROUTER socket ------------------------------------------------
+    def _serve(self, max_seconds: float, ready: threading.Event) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
+        sock.bind(self.endpoint)
+        done = self._ctx.socket(zmq.PULL)
+        done.bind(self._done_ep)
+        ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(done, zmq.POLLIN)
+        deadline = time.monotonic() + max_seconds
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                events = dict(poller.poll(200))
+                while done in events and done.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    ident, reply = unpack(done.recv())
+                    sock.send_multipart([ident, b"", pack(reply)])
+                while sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    frames = sock.recv_multipart()
+                    reply = self._accept(frames[-1], frames[0])
+                    if reply is not None:  # refused at once; accepted commands reply from a worker
+                        sock.send_multipart([frames[0], b"", pack(reply)])
+        finally:
+            sock.close()
+            done.close()
+
+    def _accept(self, payload: bytes, ident: bytes) -> dict | None:
+        try:
+            msg = unpack(payload)
+        except Exception as e:
+            return {"ok": False, "id": None, "error": f"not a msgpack message: {e}"}
+        rid = msg.get("id") if isinstance(msg, dict) else None
+        if not isinstance(msg, dict) or msg.get("cmd") not in self.handlers or not isinstance(msg.get("args", {}), dict):
+            return {"ok": False, "id": rid, "error": f"this socket serves {{'cmd': one of {sorted(self.handlers)}, "
+                                                     f"'args': {{...}}, 'id': ...}}"}
+        args = msg.get("args", {})
+        try:
+            if self._admit is not None:
+                self._admit(msg["cmd"], args)
+        except (ValueError, TypeError) as e:
+            return {"ok": False, "id": rid, "error": f"{msg['cmd']}: {e}"}
+        self._work.put((ident, rid, msg["cmd"], args))
+        return None
+
+    # -- workers: commands in arrival order ------------------------------------------------------
+    def _worker(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self._done_ep)
+        try:
+            while (item := self._work.get()) is not None:
+                ident, rid, cmd, args = item
+                try:
+                    reply = {"ok": True, "id": rid, **(self.handlers[cmd](**args) or {})}
+                except ValidationError as e:
+                    err = e.errors()[0]
+                    reply = {"ok": False, "id": rid, "error": f"{cmd}: field '{'.'.join(map(str, err['loc']))}': {err['msg']}"}
+                except Exception as e:  # a failed command must not take the server down
+                    reply = {"ok": False, "id": rid, "error": f"{cmd}: {type(e).__name__}: {e}"}
+                finally:
+                    if self._done is not None:
+                        self._done(cmd, args)
+                push.send(pack([ident, reply]))
+        finally:
+            push.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from dualpath.agents.common import decode_port, load_port
+from dualpath.agents.common import jobs_port, load_port
 from dualpath.control import AsyncRpcClient, RpcClient
 from dualpath.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
@@ -101,7 +101,8 @@ class Cluster:
         self.procs: dict[str, NodeProcess] = {}
         self.clients: dict[str, RpcClient] = {}
         self.loaders: dict[str, AsyncRpcClient] = {}  # host agents' read queues
-        self.decoders: dict[str, AsyncRpcClient] = {}  # decode engines' decode sockets
+        # long commands, many outstanding: host agents' flushes and notification waits, DEs' decodes
+        self.jobs: dict[str, AsyncRpcClient] = {}
         self.transports: dict[str, str] = {}
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
@@ -113,7 +114,7 @@ class Cluster:
     def control_bytes(self) -> int:
         """Control-plane bytes the conductor has sent and received so far."""
         return sum(c.sent_bytes + c.recv_bytes
-                   for c in (*self.clients.values(), *self.loaders.values(), *self.decoders.values()))
+                   for c in (*self.clients.values(), *self.loaders.values(), *self.jobs.values()))
 
     def pids(self) -> list[int]:
         """Every process of the run: the node processes, the storage servers and this one."""
@@ -174,9 +175,9 @@ class Cluster:
             if p.role == "host":
                 self.loaders[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{load_port(CONTROL_PORT)}",
                                                     p.alive)
-            elif p.role == "decode":
-                self.decoders[name] = AsyncRpcClient(self.ctx, name,
-                                                     f"tcp://{p.endpoint.ip}:{decode_port(CONTROL_PORT)}", p.alive)
+            if p.role in ("host", "decode"):
+                self.jobs[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{jobs_port(CONTROL_PORT)}",
+                                                 p.alive)
         hellos = {n: await c.call("hello", timeout_s=30) for n, c in self.clients.items()}
         metas = {n: h["metadata"] for n, h in hellos.items()}
         rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
@@ -198,11 +199,11 @@ class Cluster:
         return self.loop.run_until_complete(coro)
 
     def stop(self) -> None:
-        for c in (*self.clients.values(), *self.loaders.values(), *self.decoders.values()):
+        for c in (*self.clients.values(), *self.loaders.values(), *self.jobs.values()):
             c.close()
         self.clients.clear()
         self.loaders.clear()
-        self.decoders.clear()
+        self.jobs.clear()
         if not self.loop.is_closed():  # whatever still runs on the loop (reply readers, a failed
             pending = asyncio.all_tasks(self.loop)  # run's requests) ends before the loop goes
             for t in pending:

@@ -232,7 +232,7 @@ class Conductor:
             self.router.prefill_done(rec.pe, sreq)  # tok_e counts unfinished prefill work only
             prefill_counted = True
             if not oracle:  # the notifications follow the PE's WRITEs: then the layers have landed
-                await c.clients[rec.de_node].call(
+                await c.jobs[rec.de_node].call(
                     "wait_notifs", peer=rec.pe,
                     msgs=[f"{rec.request}{t}/L{l}" for t in job.tags for l in range(g.n_layer)],
                     timeout_s=self.timeout_s)
@@ -242,7 +242,7 @@ class Conductor:
             if not oracle and n_wb > 0:
                 wb_off = await self._alloc(rec.de_node, n_wb * fb)
                 wb = Span(rec.de_node, "buf", wb_off)
-            dec = await c.decoders[rec.de].call(
+            dec = await c.jobs[rec.de].call(
                 "decode", request=rec.request, n_prompt=len(prompt), first_token=job.first_token,
                 t_first_token=job.t_first_token, gen_len=gen_len, src=None if oracle else dst.to_msg(),
                 wb=wb.to_msg() if wb else None, first_new_block=n_hit_blocks,
@@ -258,10 +258,10 @@ class Conductor:
                 self.stored.update(all_keys)  # as if written back, with no I/O
             elif dec["written_blocks"]:
                 written = [all_keys[b] for b in dec["written_blocks"]]
-                await c.clients[rec.de_node].call(
+                await c.jobs[rec.de_node].call(
                     "wait_notifs", peer=rec.de, msgs=[f"{rec.request}/wb{b}" for b in dec["written_blocks"]],
                     timeout_s=self.timeout_s)
-                await c.clients[rec.de_node].call("flush", keys=written, offset=wb_off, crcs=dec["block_crcs"],
+                await c.jobs[rec.de_node].call("flush", keys=written, offset=wb_off, crcs=dec["block_crcs"],
                                                    timeout_s=self.timeout_s)
                 rec.writeback_bytes = len(written) * fb
                 self.stored.update(written)

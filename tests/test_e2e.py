@@ -85,7 +85,7 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
             Cluster(fab, tmp_path, checkpoint, geom, 64 << 20, 64 << 20) as cluster:
         cluster.run(cluster.connect())
         victim = cluster.procs["dpt-d0e0"]
-        decodes = cluster.decoders["dpt-d0e0"]
+        decodes = cluster.jobs["dpt-d0e0"]
         co = Conductor(cluster, geom, "dualpath", b"kill-test", request_timeout_s=60)
 
         def killer():  # SIGKILL while the victim has decodes in flight (READ, decode, WRITE)

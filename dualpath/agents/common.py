@@ -13,7 +13,7 @@ import numpy as np
 # host agent, its read queue. Control traffic stays outside the kv port range (model class).
 STATE_PORT_OFFSET = 1
 LOAD_PORT_OFFSET = 2
-DECODE_PORT_OFFSET = 3  # a decode engine's decode requests (many outstanding)
+JOBS_PORT_OFFSET = 3  # long commands, many outstanding: a host agent's flushes and waits, a DE's decodes
 
 
 def state_port(control_port: int) -> int:
@@ -24,8 +24,8 @@ def load_port(control_port: int) -> int:
     return control_port + LOAD_PORT_OFFSET
 
 
-def decode_port(control_port: int) -> int:
-    return control_port + DECODE_PORT_OFFSET
+def jobs_port(control_port: int) -> int:
+    return control_port + JOBS_PORT_OFFSET
 
 
 def base_args(description: str) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from dualpath.agents.common import base_args, decode_port, exit_on_sigterm, make_agent, wiring_handlers
+from dualpath.agents.common import base_args, exit_on_sigterm, jobs_port, make_agent, wiring_handlers
 from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
 
@@ -99,7 +99,7 @@ def main() -> None:
         cost = DecodeCostModel.from_dict(timing["decode"]) if timing else None
         service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,
                                 control=f"tcp://{args.ip}:{args.control_port}",
-                                decode=f"tcp://{args.ip}:{decode_port(args.control_port)}",
+                                decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
                                 handlers={**wiring_handlers(agent), **common})
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:

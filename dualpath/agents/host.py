@@ -3,9 +3,10 @@
 It runs in the node's host namespace. Engines READ from and WRITE into its
 buffer one-sided; it stays passive for those (NIXL's progress thread serves
 them) and only confirms, on request, that a peer's notifications have arrived.
-Over the control plane it serves the storage side: `load` (store -> buffer over
-the SNIC, through the node's read queue, see read_queue.py) and `flush`
-(buffer -> store, for decode write-back).
+It serves the storage side: `load` (store -> buffer over the SNIC) on its read
+queue (read_queue.py), and on its jobs socket, many at once, `flush` (buffer ->
+store, for decode write-back) and `wait_notifs` (until a peer's WRITEs have
+landed). Its control socket keeps the short commands.
 """
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import time
 import zlib
 
 from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
-from dualpath.agents.common import load_port
+from dualpath.agents.common import jobs_port, load_port
 from dualpath.agents.leader import serve_state
 from dualpath.agents.read_queue import ReadQueueServer
-from dualpath.control import RpcServer
+from dualpath.control import RouterServer, RpcServer
 from dualpath.store.client import StoreClient
+from dualpath.transport.waiter import NotificationWaiter
+
+JOB_WORKERS = 64  # concurrent waits and flushes: more than the requests a node has in flight
 
 
 def main() -> None:
@@ -29,6 +33,10 @@ def main() -> None:
     exit_on_sigterm()
     agent, buf = make_agent(args, "buf", args.buffer_bytes, "dram")
     store = StoreClient(args.store.split(","), args.block_bytes)
+    # write-back gets its own connections: a flush must not wait behind a long read on the same
+    # socket (both share the SNIC, as two flows would)
+    writes = StoreClient(args.store.split(","), args.block_bytes)
+    notifs = NotificationWaiter(agent)
     view = memoryview(buf)
     fb = args.block_bytes
 
@@ -53,14 +61,14 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
                 time.sleep(0.002)
-        new = store.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
+        new = writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
         return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0}
 
     def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
         """Block until `peer` has notified every message: NIXL delivers a transfer's
         notification after its data, so the WRITEs before them have landed."""
         for m in msgs:
-            agent.wait_notif(peer, m, timeout=timeout_s)
+            notifs.wait(peer, m, timeout_s)
         return {}
 
     def contains(keys: list[str]) -> dict:
@@ -70,19 +78,25 @@ def main() -> None:
     # read_q from the state socket (the control socket may be busy with a long flush).
     reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load).start()
     serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes}})
+
     def read_log() -> dict:
         """The loads read since the last call, as [start, end, bytes] (when the SNIC was busy)."""
         return {"loads": [list(x) for x in reads.drain_log()]}
 
+    # Waits and write-backs of many requests run at once (each blocks only its own request)
+    jobs = RouterServer(f"tcp://{args.ip}:{jobs_port(args.control_port)}",
+                        {"flush": flush, "wait_notifs": wait_notifs}, workers=JOB_WORKERS, name="host-jobs").start()
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                       {**wiring_handlers(agent), "flush": flush, "wait_notifs": wait_notifs,
-                        "contains": contains, "read_log": read_log})
+                       {**wiring_handlers(agent), "contains": contains, "read_log": read_log})
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()
     finally:
+        jobs.stop()
         reads.stop()
+        notifs.close()
         store.close()
+        writes.close()
         agent.close()
 
 

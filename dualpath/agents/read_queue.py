@@ -9,15 +9,13 @@ would. Each reply carries the request's id (dualpath.control.AsyncRpcClient matc
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Callable
 
-import zmq
 from pydantic import ValidationError, validate_call
 
-from dualpath.control import MAX_MSG_BYTES, pack, unpack
+from dualpath.control import RouterServer
 
 MAX_LOG = 200_000  # loads remembered between two drains
 
@@ -26,13 +24,12 @@ class ReadQueueServer:
     def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict]) -> None:
         """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read)."""
         self.endpoint, self.block_bytes = endpoint, block_bytes
-        self._load = load
         self._lock = threading.Lock()
         self._pending = 0
-        self._work: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._done_ep = f"inproc://read-queue-{id(self)}"
-        self._log: list[tuple[float, float, int]] = []  # (start, end, bytes) of every load read
+        self._accepted: dict[int, float] = {}  # id(args) of a queued load -> when it arrived
+        self._log: list[tuple[float, float, int]] = []
+        self._server = RouterServer(endpoint, {"load": load}, workers=1, admit=self._admit, done=self._done,
+                                    name="read-queue")
 
     def drain_log(self) -> list[tuple[float, float, int]]:
         """Every load read since the last call, as (accepted, finished, bytes): while a load is
@@ -48,86 +45,29 @@ class ReadQueueServer:
             return self._pending
 
     def start(self, max_seconds: float = 24 * 3600) -> "ReadQueueServer":
-        self._ctx = zmq.Context()
-        ready = threading.Event()
-        threading.Thread(target=self._serve, args=(max_seconds, ready), name="read-queue", daemon=True).start()
-        ready.wait(10)
-        threading.Thread(target=self._worker, name="read-worker", daemon=True).start()
+        self._server.start(max_seconds)
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._work.put(None)
+        self._server.stop()
 
-    # -- serving thread: owns the ROUTER socket --------------------------------------------------
-    def _serve(self, max_seconds: float, ready: threading.Event) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
-        sock.bind(self.endpoint)
-        done = self._ctx.socket(zmq.PULL)
-        done.bind(self._done_ep)
-        ready.set()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(done, zmq.POLLIN)
-        deadline = time.monotonic() + max_seconds
+    def _admit(self, cmd: str, args: dict) -> None:
         try:
-            while not self._stop.is_set() and time.monotonic() < deadline:
-                events = dict(poller.poll(200))
-                if done in events:
-                    ident, reply = unpack(done.recv())
-                    sock.send_multipart([ident, b"", pack(reply)])
-                if sock in events:
-                    frames = sock.recv_multipart()
-                    ident, reply = frames[0], self._accept(frames[-1], frames[0])
-                    if reply is not None:  # refused at once; accepted loads reply from the worker
-                        sock.send_multipart([ident, b"", pack(reply)])
-        finally:
-            sock.close()
-            done.close()
-
-    def _accept(self, payload: bytes, ident: bytes) -> dict | None:
-        try:
-            msg = unpack(payload)
-        except Exception as e:
-            return {"ok": False, "id": None, "error": f"not a msgpack message: {e}"}
-        rid = msg.get("id") if isinstance(msg, dict) else None
-        if not isinstance(msg, dict) or msg.get("cmd") != "load" or not isinstance(msg.get("args"), dict):
-            return {"ok": False, "id": rid, "error": "the read queue serves {'cmd': 'load', 'args': {...}, 'id': ...}"}
-        try:
-            keys, offset = _check_load(**msg["args"])
+            keys, _ = _check_load(**args)
         except ValidationError as e:
             err = e.errors()[0]
-            return {"ok": False, "id": rid, "error": f"load: field '{'.'.join(map(str, err['loc']))}': {err['msg']}"}
-        except TypeError as e:
-            return {"ok": False, "id": rid, "error": f"load: {e}"}
-        nbytes = len(keys) * self.block_bytes
+            raise ValueError(f"field '{'.'.join(map(str, err['loc']))}': {err['msg']}") from None
         with self._lock:
-            self._pending += nbytes
-        self._work.put((ident, rid, keys, offset, nbytes, time.monotonic()))
-        return None
+            self._pending += len(keys) * self.block_bytes
+            self._accepted[id(args)] = time.monotonic()
 
-    # -- worker thread: one load at a time, in arrival order --------------------------------------
-    def _worker(self) -> None:
-        push = self._ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(self._done_ep)
-        try:
-            while (item := self._work.get()) is not None:
-                ident, rid, keys, offset, nbytes, t_accepted = item
-                try:
-                    reply = {"ok": True, "id": rid, **self._load(keys, offset)}
-                except Exception as e:  # a failed load must not take the queue down
-                    reply = {"ok": False, "id": rid, "error": f"load: {type(e).__name__}: {e}"}
-                finally:
-                    with self._lock:
-                        self._pending -= nbytes
-                        if len(self._log) < MAX_LOG:
-                            self._log.append((t_accepted, time.monotonic(), nbytes))
-                push.send(pack([ident, reply]))
-        finally:
-            push.close()
+    def _done(self, cmd: str, args: dict) -> None:
+        nbytes = len(args["keys"]) * self.block_bytes
+        with self._lock:
+            self._pending -= nbytes
+            t0 = self._accepted.pop(id(args))
+            if len(self._log) < MAX_LOG:
+                self._log.append((t0, time.monotonic(), nbytes))
 
 
 @validate_call

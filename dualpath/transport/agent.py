@@ -215,12 +215,18 @@ class Transfer:
 
 
 class NotificationInbox:
-    """Notifications by sender, for an agent that fills `_notifs` in `_pull_notifs()`."""
+    """Notifications by sender, for an agent that fills `_notifs` in `_pull_notifs()`.
+
+    Safe to wait on from several threads at once (a host agent waits for many requests'
+    notifications concurrently): one lock guards pulling and taking."""
 
     name: str
     timeout_s: float
     _notifs: dict[str, list[bytes]]
     _where = ""  # said in a timeout's message: where the inbox looked
+
+    def _lock(self) -> threading.Lock:
+        return self.__dict__.setdefault("_inbox_lock", threading.Lock())  # atomic: one per inbox
 
     def _pull_notifs(self) -> None:
         raise NotImplementedError
@@ -235,13 +241,15 @@ class NotificationInbox:
         its event fd ready on every poll and spins a whole core (measured here: both cores
         taken by two idle host agents until the engines progressed).
         """
-        self._pull_notifs()
+        with self._lock():
+            self._pull_notifs()
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Every notification received since the last call, by sender name."""
-        self._pull_notifs()
-        out = {p: m for p, m in self._notifs.items() if m}
-        self._notifs = {}
+        with self._lock():
+            self._pull_notifs()
+            out = {p: m for p, m in self._notifs.items() if m}
+            self._notifs = {}
         return out
 
     def wait_notif(self, peer: str, msg: bytes | str, *, prefix: bool = False,
@@ -251,11 +259,13 @@ class NotificationInbox:
         timeout = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
-            self._pull_notifs()
-            box = self._notifs.get(peer, [])
-            for i, m in enumerate(box):
-                if m == want or (prefix and m.startswith(want)):
-                    return box.pop(i)
+            with self._lock():
+                self._pull_notifs()
+                box = self._notifs.get(peer, [])
+                for i, m in enumerate(box):
+                    if m == want or (prefix and m.startswith(want)):
+                        return box.pop(i)
+                box = list(box)
             if time.monotonic() > deadline:
                 raise TransferTimeout(
                     f"agent {self.name!r}: no notification {want!r} from peer {peer!r} within "
