@@ -60,7 +60,8 @@ class ServiceRouter(Router):
             members = {e: [self.c.host_of(e), self._roles[group], self._state(e)] for e in engines}
             nodes = {self.c.host_of(e): self._state(self.c.host_of(e)) for e in engines}
             await self.c.clients[engines[0]].call("lead", group=group, scheduler=self.service.endpoint,
-                                                  members=members, nodes=nodes, interval_s=self.interval_s)
+                                                  members=members, nodes=nodes, interval_s=self.interval_s,
+                                                  bell=self.service.bell_endpoint)
 
     async def stop(self) -> None:
         for group, engines in self.groups.items():

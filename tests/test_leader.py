@@ -47,9 +47,14 @@ def _control_port() -> int:
     pytest.skip("no two consecutive free ports")
 
 
-@pytest.fixture
-def cluster():
-    """Two prefill engines on node n0, one decode engine on node n1, their leaders and the service."""
+@pytest.fixture(params=["bell", "poll"])
+def cluster(request, monkeypatch):
+    """Two prefill engines on node n0, one decode engine on node n1, their leaders and the service;
+    the leaders pull when the scheduler's doorbell rings (with a heartbeat so long that only the
+    ring can wake them within a test), or every 5 ms."""
+    import dualpath.agents.leader as leader_module
+
+    monkeypatch.setattr(leader_module, "HEARTBEAT_S", 30.0)
     pulled: list[tuple[str, list]] = []
     sched = Scheduler(PROFILE)
     svc = SchedulerService(sched, f"tcp://{IP}:*", on_pull=lambda g, a: pulled.append((g, a)))
@@ -70,14 +75,15 @@ def cluster():
     def ep(name: str) -> str:
         return f"tcp://{IP}:{ports[name] + 1}"
 
+    bell = svc.bell_endpoint if request.param == "bell" else None
     leaders = [
         GroupLeader("pe", svc.endpoint, {"p0e0": ("n0", "prefill", ep("p0e0")), "p0e1": ("n0", "prefill", ep("p0e1"))},
-                    {"n0": ep("n0")}, kv_bytes_per_token=100, interval_s=0.005, max_seconds=60).start(),
+                    {"n0": ep("n0")}, kv_bytes_per_token=100, interval_s=0.005, max_seconds=60, bell=bell).start(),
         GroupLeader("de-n1", svc.endpoint, {"d1e0": ("n1", "decode", ep("d1e0"))}, {"n1": ep("n1")},
-                    kv_bytes_per_token=100, interval_s=0.005, max_seconds=60).start(),
+                    kv_bytes_per_token=100, interval_s=0.005, max_seconds=60, bell=bell).start(),
     ]
     client = SchedulerClient(svc.endpoint)
-    yield client, loads, read_q, pulled
+    yield client, loads, read_q, pulled, leaders
     stats = [lead.stop() for lead in leaders]
     client.close()
     stop.set()
@@ -94,7 +100,7 @@ def _wait(cond, timeout_s: float = 10.0) -> None:
 
 
 def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
-    client, loads, read_q, pulled = cluster
+    client, loads, read_q, pulled, _ = cluster
     read_q["n0"] = 50_000_000  # the PE node's SNIC is far behind: the DE side must read
     client.submit([RequestMsg(request_id="r1", hit_tokens=320, miss_tokens=80, total_len=400)])
     _wait(lambda: {g for g, _ in pulled} == {"pe", "de-n1"})
@@ -111,9 +117,23 @@ def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
 
 def test_the_leaders_reports_steer_the_next_decisions(cluster):
     """Engine load reaches the scheduler only through the leaders' reports: a busy PE is passed over."""
-    client, loads, read_q, pulled = cluster
+    client, loads, read_q, pulled, _ = cluster
     loads["p0e0"].assigned("old", 900)  # p0e0 already has work the scheduler never assigned
     time.sleep(0.05)  # a report or two
     client.submit([RequestMsg(request_id="r2", hit_tokens=0, miss_tokens=100, total_len=100)])
     _wait(lambda: any(g == "pe" for g, _ in pulled))
     assert next(a for g, got in pulled if g == "pe" for a in got).pe_engine == "p0e1"
+
+
+def test_with_a_doorbell_idle_leaders_hardly_pull_and_work_is_still_picked_up_at_once(cluster):
+    client, loads, read_q, pulled, leaders = cluster
+    time.sleep(0.1)
+    before = sum(lead.pulls for lead in leaders)
+    time.sleep(0.5)
+    idle = sum(lead.pulls for lead in leaders) - before
+    client.submit([RequestMsg(request_id="r3", hit_tokens=0, miss_tokens=50, total_len=50)])
+    _wait(lambda: any(g == "pe" and got for g, got in pulled))  # long before any heartbeat: the ring
+    if leaders[0].bell:
+        assert idle == 0
+    else:
+        assert idle >= 2 * 0.5 / 0.05  # polling every 5 ms (slowed by the machine, still many)

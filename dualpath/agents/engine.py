@@ -63,13 +63,14 @@ def main() -> None:
     clock = DeviceClock(timing["dilation"] if timing else None)
 
     def lead(group: str, scheduler: str, members: dict[str, list[str]], nodes: dict[str, str],
-             interval_s: float = 0.02) -> dict:
+             interval_s: float = 0.02, bell: str | None = None) -> dict:
         """Become the leader of `group`: pull for it from `scheduler` until `unlead`.
-        members: engine -> [node, role, state endpoint]; nodes: node -> host state endpoint."""
+        members: engine -> [node, role, state endpoint]; nodes: node -> host state endpoint;
+        bell: the scheduler's doorbell (pull when it rings) or None (pull every interval_s)."""
         if leading:
             raise ValueError(f"{args.name} already leads group {leading[0].group}")
         leading.append(GroupLeader(group, scheduler, {e: tuple(v) for e, v in members.items()}, nodes,
-                                   kv_per_token, interval_s).start())
+                                   kv_per_token, interval_s, bell=bell).start())
         return {}
 
     def unlead() -> dict:

@@ -21,7 +21,8 @@ import zmq.asyncio
 from dualpath.agents.common import state_port
 from dualpath.control import RpcClient, RpcServer
 
-DEFAULT_PULL_INTERVAL_S = 0.02
+DEFAULT_PULL_INTERVAL_S = 0.02  # without a doorbell: pull this often while idle
+HEARTBEAT_S = 0.1  # with one: pull at least this often (work deferred on load, lost rings)
 
 
 class EngineLoad:
@@ -72,10 +73,13 @@ class GroupLeader:
 
     def __init__(self, group: str, scheduler: str, members: dict[str, tuple[str, str, str]],
                  nodes: dict[str, str], kv_bytes_per_token: int,
-                 interval_s: float = DEFAULT_PULL_INTERVAL_S, max_seconds: float = 3600.0) -> None:
+                 interval_s: float = DEFAULT_PULL_INTERVAL_S, max_seconds: float = 3600.0,
+                 bell: str | None = None) -> None:
+        """`bell`: the scheduler's doorbell endpoint; the leader then pulls when its group's name
+        rings (and every HEARTBEAT_S) instead of every interval_s."""
         self.group, self.scheduler, self.members, self.nodes = group, scheduler, members, nodes
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.interval_s, self.max_seconds = interval_s, max_seconds
+        self.interval_s, self.max_seconds, self.bell = interval_s, max_seconds, bell
         self.pulls = 0
         self.assigned = 0
         self.error: str | None = None
@@ -105,6 +109,14 @@ class GroupLeader:
         sched = SchedulerClient(self.scheduler, timeout_s=10.0, context=zmq.Context())
         engines = {e: RpcClient(ctx, e, ep) for e, (_, _, ep) in self.members.items()}
         hosts = {n: RpcClient(ctx, n, ep) for n, ep in self.nodes.items()}
+        bell = None
+        if self.bell:
+            from dualpath.scheduler.service import bell_topic
+
+            bell = ctx.socket(zmq.SUB)
+            bell.setsockopt(zmq.LINGER, 0)
+            bell.setsockopt(zmq.SUBSCRIBE, bell_topic(self.group))
+            bell.connect(self.bell)
         deadline = time.monotonic() + self.max_seconds
         try:
             while not self._stop.is_set() and time.monotonic() < deadline:
@@ -115,13 +127,27 @@ class GroupLeader:
                     mine = a.pe_engine if a.pe_group == self.group else a.de_engine
                     await engines[mine].call("assigned", request=a.request_id, tokens=a.total_len)
                 self.assigned += len(got)
-                if not got:  # nothing new: wait before asking again
-                    await asyncio.sleep(self.interval_s)
+                if not got:  # nothing new: wait for the doorbell (or a while) before asking again
+                    if bell is None:
+                        await asyncio.sleep(self.interval_s)
+                    else:
+                        await self._wait_for_ring(bell)
         finally:
+            if bell is not None:
+                bell.close()
             sched.close()
             for c in (*engines.values(), *hosts.values()):
                 c.close()
             ctx.term()
+
+    async def _wait_for_ring(self, bell) -> None:
+        """Until the doorbell rings, the heartbeat is due or the leader is stopped."""
+        until = time.monotonic() + HEARTBEAT_S
+        while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
+            if await bell.poll(int(min(left, 0.1) * 1000) + 1):
+                while await bell.poll(0):  # one pull answers every ring so far
+                    await bell.recv()
+                return
 
     async def _reports(self, engines: dict[str, RpcClient], hosts: dict[str, RpcClient]) -> list[dict]:
         loads = await asyncio.gather(*(c.call("load", timeout_s=5.0) for c in engines.values()))

@@ -262,6 +262,17 @@ class Scheduler:
         """DE groups whose private queue is non-empty: the leaders a pull would give work to."""
         return [g for g, q in self._de_private.items() if q]
 
+    def work_for_groups(self) -> dict[str, tuple[int, int]]:
+        """Per group, what is waiting for its pull: a PE group (requests waiting for a PE,
+        assignments to deliver to it); a DE group (requests waiting for any DE, its own queue)."""
+        out = {}
+        for gid, g in self.groups.items():
+            if g.role is Role.PREFILL:
+                out[gid] = (len(self._pe_queue), len(self._outbox.get(gid, ())))
+            else:
+                out[gid] = (len(self._de_global), len(self._de_private.get(gid, ())))
+        return out
+
     def queue_lengths(self) -> dict[str, int]:
         return {
             "pe_waiting": len(self._pe_queue),

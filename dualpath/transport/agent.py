@@ -44,6 +44,7 @@ _written_env: dict[str, str] = {}  # what we put in os.environ, so it is not mis
 
 
 DEFAULT_PROGRESS_DELAY_US = 1000
+MAX_POLL_SLEEP_S = 0.001  # a waiting transfer is polled at least this often
 
 
 def _make_nixl_agent(name: str, progress_thread: bool, delay_us: int):
@@ -203,6 +204,9 @@ class Transfer:
                     f"(transport {self.agent.transport_in_use}); is the peer alive and reachable?")
             if sleep:
                 time.sleep(sleep)
+                # back off: a short transfer is seen at once, a long one costs few polls (each
+                # progresses UCX, tens of microseconds of CPU on cores the NICs' emulation needs)
+                sleep = min(sleep * 2, MAX_POLL_SLEEP_S)
         assert self.stats is not None
         return self.stats
 
