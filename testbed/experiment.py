@@ -61,6 +61,7 @@ class ModeResult:
     batches: list = field(default_factory=list)  # PE forward passes
     scheduler: dict = field(default_factory=dict)  # the router's own record (service, leaders' pulls)
     steps: list = field(default_factory=list)  # decode steps of every DE
+    samples: list = field(default_factory=list)  # the monitor's time series: CPU and every NIC's bytes
     links: list = field(default_factory=list)  # fidelity.LinkUse of every storage NIC
     cpu_own: float = 0.0  # of cpu_busy, the testbed's own processes
     faithful: bool = False
@@ -112,6 +113,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.cpu_own = mon.cpu_own()
+    res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
     res.scheduler = decisions
     res.steps = steps
@@ -122,6 +124,22 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     return res
+
+
+def _time_series(mon: Monitor, fab: Fabric, t0: float) -> list[dict]:
+    """The monitor's samples in the NICs' own view: t (testbed s since the mode's start), the CPU
+    busy share since the previous sample, and per NIC its cumulative rx and tx bytes (the
+    bridge end's tx is what the NIC received)."""
+    names = {n.bridge_dev: f"{n.ns}/{n.kind}" for n in fab.nics}
+    out, prev = [], None
+    for smp in mon.samples:
+        busy = None
+        if prev is not None and smp.cpu_total > prev.cpu_total:
+            busy = round((smp.cpu_busy - prev.cpu_busy) / (smp.cpu_total - prev.cpu_total), 4)
+        out.append({"t": round(smp.t - t0, 4), "cpu_busy": busy,
+                    "nics": {names[d]: [tx, rx] for d, (rx, tx) in smp.bytes.items() if d in names}})
+        prev = smp
+    return out
 
 
 def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock: "RunClock") -> Router:
@@ -382,4 +400,8 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
     with open(run_dir / "steps.jsonl", "w") as f:
         for res in results:
             for x in res.steps:
+                f.write(json.dumps({"mode": res.mode, **x}) + "\n")
+    with open(run_dir / "links.jsonl", "w") as f:  # per NIC: [rx, tx] bytes so far, in its own view
+        for res in results:
+            for x in res.samples:
                 f.write(json.dumps({"mode": res.mode, **x}) + "\n")
