@@ -23,23 +23,12 @@ import numpy as np
 import torch
 
 from dualpath.buffers import ByteAllocator
+from dualpath.kv_check import stale
 from dualpath.kv_spans import Span, token_rows_descs
 from dualpath.layouts import BlockGeometry, build_full_block, unpack_layer
 
 KV = tuple[torch.Tensor, torch.Tensor]
 REREAD_AFTER_S = 0.002  # a late layer is read again after this long (its WRITE is still landing)
-
-
-def stale_layers(buf: np.ndarray, offset: int, layer_bytes: int, expect: list[int] | tuple[int, ...]) -> list[int]:
-    """Layers l whose bytes [offset + l*layer_bytes, +layer_bytes) do not have CRC32 expect[l].
-
-    Over UCX's TCP transport a WRITE's completion, and even its notification, can reach the
-    target before all of its bytes are applied there (measured here as stale 4 KiB pieces). A
-    READ's completion is final, so every reader of KV that a WRITE put somewhere checks what it
-    read against the writer's CRC and reads the late layers again.
-    """
-    return [l for l, crc in enumerate(expect)
-            if zlib.crc32(buf[offset + l * layer_bytes: offset + (l + 1) * layer_bytes]) != crc]
 
 
 @dataclass(frozen=True)
@@ -127,7 +116,8 @@ class BufferDecodeConnector(DecodeConnector):
             return None
         p = self.plan
         if p.expect_crcs is not None:
-            late = stale_layers(self.hbm, self._off, self._layer_bytes, p.expect_crcs)
+            lb = self._layer_bytes
+            late = stale(self.hbm, [(self._off + l * lb, lb, crc) for l, crc in enumerate(p.expect_crcs)])
             if late:
                 now = time.monotonic()
                 if now > self._deadline:

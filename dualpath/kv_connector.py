@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dualpath.buffers import ByteAllocator
+from dualpath.kv_check import stale
 from dualpath.kv_spans import Span, token_rows_descs
 from dualpath.layouts import BlockGeometry, pack_rows, unpack_layer
 
@@ -175,7 +176,8 @@ class KVConnector(ABC):
         if plan.past_crcs is None:
             return
         deadline = time.monotonic() + self.timeout_s
-        while zlib.crc32(self._rows(off, plan.n_hit).numpy()) != plan.past_crcs[layer]:
+        nbytes = self._layer_bytes(plan.n_hit)
+        while stale(self.hbm, [(off, nbytes, plan.past_crcs[layer])]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"request {plan.request}: layer {layer} of its past KV never landed intact "
                                    f"in the DE buffer; the data plane lost or corrupted bytes")

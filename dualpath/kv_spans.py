@@ -53,4 +53,4 @@ def token_rows_descs(geom: BlockGeometry, layer: int, first_token: int, n_tokens
 
 def kv_bytes(geom: BlockGeometry, n_tokens: int) -> int:
     """Bytes of KV of n tokens over all layers."""
-    return n_tokens * geom.bytes_per_token_per_layer * geom.n_layer
+    return n_tokens * geom.kv_bytes_per_token

@@ -75,6 +75,11 @@ class BlockGeometry:
         return 2 * self.kv_elems_per_token * self.elem_size
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers: the one place this is computed."""
+        return self.bytes_per_token_per_layer * self.n_layer
+
+    @property
     def layer_block_bytes(self) -> int:
         return self.block_size * self.bytes_per_token_per_layer
 

@@ -245,7 +245,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"  # logs and the store's disk; not results
     run_dir = out / run_id
-    for line in t.describe(geom.bytes_per_token_per_layer * geom.n_layer):
+    for line in t.describe(geom.kv_bytes_per_token):
         typer.echo(line)
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
                f"shared system prompt {len(wl.system_prompt)} tokens; model {ckpt}; scratch {scratch}")

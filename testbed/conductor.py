@@ -29,13 +29,15 @@ from typing import Any, Callable
 from dualpath.buffers import ByteAllocator, OutOfSpace
 from dualpath.control import ControlError
 from dualpath.kv_connector import PastRead
+from dualpath.kv_plan import Area, Load, RequestPlan, match_prefix, plan_request
 from dualpath.kv_spans import Span, kv_bytes
 from dualpath.layouts import BlockGeometry
-from dualpath.scheduler.batching import BatchEntry, PrefillItem, pack_batch
+from dualpath.scheduler.batching import PrefillQueue
+from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
-from testbed.routing import RoundRobinRouter, Router
+from testbed.scheduling import Router
 
 MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "dualpath-split", "oracle")
 
@@ -89,24 +91,16 @@ class PrefillJob:
     """A request's prefill, pass by pass: what the next pass reads and what the passes returned."""
 
     rec: RequestRecord
+    plan: RequestPlan
     prompt: list[int]
-    mode: str  # the connector: "basic", "layerwise" or "oracle"
     first_reads: tuple[PastRead, ...]
-    forward_past: int
-    dst: Span | None
+    dst: Span | None  # the request's area in the DE buffer
     fut: asyncio.Future
-    cached: int = 0  # past tokens: hits, then also the chunks done
-    crcs: list[int] | None = None  # per layer, of rows [0, cached) as the last pass wrote them
+    n_past: int = 0  # past tokens: the hits, then also the chunks done
+    crcs: list[int] | None = None  # per layer, of rows [0, n_past) as the last pass wrote them
     tags: list[str] = field(default_factory=list)
     first_token: int = -1
     t_first_token: float = 0.0  # host clock: the end of the pass that produced it
-
-    @property
-    def new(self) -> int:
-        return len(self.prompt) - self.cached
-
-    def item(self) -> PrefillItem:
-        return PrefillItem(self.rec.request, self.cached, self.new)
 
     def next_pass(self, n_new: int) -> dict:
         """The prefill_batch entry of this job's next pass. A later chunk reads its whole past
@@ -114,12 +108,12 @@ class PrefillJob:
         first = not self.tags
         tag = f"/c{len(self.tags)}"
         self.tags.append(tag)
-        reads = self.first_reads if first else (PastRead(self.dst, 0, self.cached),)
-        return dict(request=self.rec.request, tokens=self.prompt[self.cached:self.cached + n_new],
-                    n_hit=self.cached, mode=self.mode, reads=[r.to_msg() for r in reads],
-                    forward_past=self.forward_past if first else 0,
+        reads = self.first_reads if first else (PastRead(self.dst, 0, self.n_past),)
+        return dict(request=self.rec.request, tokens=self.prompt[self.n_past:self.n_past + n_new],
+                    n_hit=self.n_past, mode=self.plan.connector, reads=[r.to_msg() for r in reads],
+                    forward_past=self.plan.forward_past if first else 0,
                     past_crcs=None if first else self.crcs, tag=tag,
-                    last=self.cached + n_new == len(self.prompt),
+                    last=self.n_past + n_new == len(self.prompt),
                     dst=self.dst.to_msg() if self.dst else None)
 
     def absorb(self, res: dict, n_new: int, geom: BlockGeometry) -> None:
@@ -127,23 +121,22 @@ class PrefillJob:
         if len(self.tags) == 1:  # the first pass loaded the stored hits: what verification checks
             r.pe_layer_hashes, r.peak_hit_bytes = res["layer_hashes"], res["peak_hit_bytes"]
         else:
-            r.chunk_read_bytes += kv_bytes(geom, self.cached)
+            r.chunk_read_bytes += kv_bytes(geom, self.n_past)
         r.chunk_read_bytes += res.get("reread_bytes", 0)
         r.read_wait_s += res["read_wait_s"]
         r.attention_s += res["compute_cpu_s"]
         r.passes += 1
         self.crcs = res["write_crcs"]
-        self.cached += n_new
+        self.n_past += n_new
         self.first_token = res["first_token"]
 
 
 class Conductor:
-    def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes,
-                 request_timeout_s: float = 120.0,
-                 on_record: Callable[[RequestRecord], None] | None = None, router: Router | None = None,
-                 cost_model=None, quota_s: float = 0.3):
+    def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes, router: Router,
+                 request_timeout_s: float = 120.0, on_record: Callable[[RequestRecord], None] | None = None,
+                 cost_model: AttentionCostModel | None = None, quota_s: float = 0.3):
         """`cost_model` packs the PEs' passes under `quota_s` (both in the engines' time: the
-        target's seconds on an emulated clock); None runs one whole request per pass."""
+        target's seconds on an emulated clock); None packs every waiting request into one pass."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
@@ -153,22 +146,23 @@ class Conductor:
         self.buffers = {n: ByteAllocator(cluster.buffer_bytes, f"{n} DRAM buffer", align=64)
                         for n, p in cluster.procs.items() if p.role == "host"}
         self._space = asyncio.Condition()
-        self.router = router or RoundRobinRouter(cluster.engines("prefill"), cluster.engines("decode"),
-                                                 ("none",) if mode == "oracle" else ("pe",))
-        self.cost_model, self.quota_s = cost_model, quota_s
-        self._pe_waiting: dict[str, list[PrefillJob]] = {}
+        self.router = router
+        self.connector = "oracle" if mode == "oracle" else "basic" if mode == "basic" else "layerwise"
+        self.cost_model, self.quota_s = cost_model or AttentionCostModel(), quota_s
+        self._queues: dict[str, PrefillQueue] = {}  # per PE: its waiting prefill work, chunk by chunk
+        self._jobs: dict[str, PrefillJob] = {}
         self._batchers: dict[str, asyncio.Future] = {}
         self.batches: list[dict] = []  # one per forward pass: engine, times, attention seconds
         self.t0 = time.monotonic()
 
     # -- buffers -------------------------------------------------------------------------------
-    async def _alloc(self, node: str, nbytes: int) -> int:
-        """Space in a node's DRAM buffer; waits (bounded) for other requests to free some."""
+    async def _alloc(self, area: Area) -> int:
+        """Space for an area in its node's DRAM buffer; waits (bounded) for others to free some."""
         deadline = time.monotonic() + self.timeout_s
         async with self._space:
             while True:
                 try:
-                    return self.buffers[node].alloc(nbytes)
+                    return self.buffers[area.node].alloc(area.blocks * self.geom.full_block_bytes)
                 except OutOfSpace:
                     if time.monotonic() > deadline:
                         raise
@@ -187,82 +181,67 @@ class Conductor:
     # -- one request ---------------------------------------------------------------------------
     async def request(self, rec: RequestRecord, prompt: list[int], gen_len: int) -> RequestRecord:
         g, c = self.geom, self.c
-        bs, fb = g.block_size, g.full_block_bytes
+        fb = g.full_block_bytes
         rec.t_arrive = self._now()
         rec.prompt, rec.gen_len, rec.n_prompt = prompt, gen_len, len(prompt)
-        keys = chain_keys(prompt, bs, namespace=self.ns)
-        n_hit_blocks = 0
-        for k in keys[: (len(prompt) - 1) // bs]:  # at least one miss token produces the logits
-            if k not in self.stored:
-                break
-            n_hit_blocks += 1
-        rec.n_hit = n_hit_blocks * bs
+        keys, n_hit_blocks = match_prefix(prompt, self.stored, g, self.ns)
+        rec.n_hit = n_hit_blocks * g.block_size
         rec.n_miss = len(prompt) - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = kv_bytes(g, rec.n_hit), kv_bytes(g, rec.n_miss)
-        sreq = Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive)
-        route = await self.router.route(sreq, n_hit_blocks, self.timeout_s)
+        route = await self.router.route(Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive),
+                                        self.timeout_s)
         if route is None:
             rec.error = "no engine admitted the request in time"
             rec.t_done = self._now()
             self.on_record(rec)
             return rec
-        rec.pe, rec.de, rec.path = route.pe, route.de, route.path
-        rec.pe_node, rec.de_node = c.host_of(rec.pe), c.host_of(rec.de)
-        pe_blocks = route.pe_blocks if n_hit_blocks else 0
-        rec.pe_hit_bytes = kv_bytes(g, pe_blocks * bs)
-        oracle = self.mode == "oracle"
-        n_blocks = g.blocks_spanned(len(prompt))  # the area holds the partial tail block too
-        n_wb = (len(prompt) + gen_len - 1) // bs - n_hit_blocks
-        de_off = pe_off = wb_off = None
-        prefill_counted = False
+        plan = plan_request(rec.request, prompt, gen_len, keys, n_hit_blocks, route, g, self.connector,
+                            c.host_of(route.pe), c.host_of(route.de))
+        rec.pe, rec.de, rec.path = route.pe, route.de, route.path if plan.moves_kv else "none"
+        rec.pe_node, rec.de_node = plan.pe_node, plan.de_node
+        rec.pe_hit_bytes = kv_bytes(g, plan.pe_blocks * g.block_size)
+        held: dict[str, tuple[str, int]] = {}  # area name -> (node, offset) while allocated
         try:
-            reads: tuple[PastRead, ...] = ()
-            dst = None
-            if not oracle:
-                de_off = await self._alloc(rec.de_node, n_blocks * fb)
-                dst = Span(rec.de_node, "buf", de_off)
-                if pe_blocks:
-                    pe_off = await self._alloc(rec.pe_node, pe_blocks * fb)
-                reads = await self._read_hits(rec, keys, pe_blocks, n_hit_blocks, pe_off, dst)
+            for area in plan.areas:
+                held[area.name] = (area.node, await self._alloc(area))
+            off = {name: o for name, (_, o) in held.items()}
+            dst = Span(plan.de_node, "buf", off["de"]) if plan.moves_kv else None
+            reads = tuple(PastRead(Span(held[p.area][0], "buf", off[p.area]), p.first, p.n) for p in plan.past)
+            await self._read_hits(rec, plan, off)
             rec.t_prefill_start = self._now()
-            job = await self._prefill(rec.pe, PrefillJob(
-                rec, prompt, "oracle" if oracle else "basic" if self.mode == "basic" else "layerwise",
-                reads, pe_blocks * bs, dst, asyncio.get_running_loop().create_future(), cached=rec.n_hit))
+            job = await self._prefill(rec.pe, PrefillJob(rec, plan, prompt, reads, dst,
+                                                         asyncio.get_running_loop().create_future(), n_past=rec.n_hit))
             rec.t_first_token = job.t_first_token - self.t0
-            self.router.prefill_done(rec.pe, sreq)  # tok_e counts unfinished prefill work only
-            prefill_counted = True
-            if not oracle:  # the notifications follow the PE's WRITEs: then the layers have landed
-                await c.jobs[rec.de_node].call(
-                    "wait_notifs", peer=rec.pe,
-                    msgs=[f"{rec.request}{t}/L{l}" for t in job.tags for l in range(g.n_layer)],
+            if plan.moves_kv:  # the notifications follow the PE's WRITEs: then the layers have landed
+                await c.jobs[plan.de_node].call(
+                    "wait_notifs", peer=rec.pe, msgs=[m for t in job.tags for m in plan.layer_notifs(t, g.n_layer)],
                     timeout_s=self.timeout_s)
-            await self._free(rec.pe_node, pe_off)
-            pe_off = None
+            if "pe" in held:
+                await self._free(*held.pop("pe"))
             wb = None
-            if not oracle and n_wb > 0:
-                wb_off = await self._alloc(rec.de_node, n_wb * fb)
-                wb = Span(rec.de_node, "buf", wb_off)
+            if plan.moves_kv and plan.writeback is not None:
+                held["wb"] = (plan.de_node, await self._alloc(plan.writeback))
+                wb = Span(plan.de_node, "buf", held["wb"][1])
             dec = await c.jobs[rec.de].call(
                 "decode", request=rec.request, n_prompt=len(prompt), first_token=job.first_token,
-                t_first_token=job.t_first_token, gen_len=gen_len, src=None if oracle else dst.to_msg(),
-                wb=wb.to_msg() if wb else None, first_new_block=n_hit_blocks,
-                expect_crcs=None if oracle else job.crcs, timeout_s=self.timeout_s)
+                t_first_token=job.t_first_token, gen_len=gen_len, src=dst.to_msg() if dst else None,
+                wb=wb.to_msg() if wb else None, first_new_block=plan.first_new_block,
+                expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
             rec.reread_bytes = dec["reread_bytes"]
             rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
             rec.token_times = [round(t - self.t0, 6) for t in dec["token_times"]]
-            await self._free(rec.de_node, de_off)
-            de_off = None
-            with_kv = prompt + rec.tokens[:-1]  # the last token's KV is never computed
-            all_keys = chain_keys(with_kv, bs, namespace=self.ns)
-            if oracle:
+            if "de" in held:
+                await self._free(*held.pop("de"))
+            all_keys = chain_keys(prompt + rec.tokens[:-1], g.block_size, namespace=self.ns)  # KV that exists
+            if not plan.moves_kv:
                 self.stored.update(all_keys)  # as if written back, with no I/O
             elif dec["written_blocks"]:
                 written = [all_keys[b] for b in dec["written_blocks"]]
-                await c.jobs[rec.de_node].call(
-                    "wait_notifs", peer=rec.de, msgs=[f"{rec.request}/wb{b}" for b in dec["written_blocks"]],
+                await c.jobs[plan.de_node].call(
+                    "wait_notifs", peer=rec.de, msgs=[plan.writeback_notif(b) for b in dec["written_blocks"]],
                     timeout_s=self.timeout_s)
-                await c.jobs[rec.de_node].call("flush", keys=written, offset=wb_off, crcs=dec["block_crcs"],
-                                                   timeout_s=self.timeout_s)
+                await c.jobs[plan.de_node].call("flush", keys=written, offset=held["wb"][1], crcs=dec["block_crcs"],
+                                                timeout_s=self.timeout_s)
                 rec.writeback_bytes = len(written) * fb
                 self.stored.update(written)
             rec.t_done = self._now()
@@ -270,40 +249,23 @@ class Conductor:
             rec.error = str(e)
             rec.t_done = self._now()
         finally:
-            if not prefill_counted:
-                self.router.prefill_done(rec.pe, sreq)
-            self.router.decode_done(rec.de, sreq)
-            for node, off in ((rec.pe_node, pe_off), (rec.de_node, de_off), (rec.de_node, wb_off)):
-                await self._free(node, off)
+            for node, o in held.values():
+                await self._free(node, o)
         self.on_record(rec)
         return rec
 
-    async def _read_hits(self, rec: RequestRecord, keys: list[str], pe_blocks: int, n_hit_blocks: int,
-                         pe_off: int | None, dst: Span) -> tuple[PastRead, ...]:
-        """Read the hit Full Blocks from the store, blocks [0, pe_blocks) into the PE buffer and
-        the rest into the request's area of the DE buffer, both sides at once; returns where the
-        past KV now is."""
-        bs, fb = self.geom.block_size, self.geom.full_block_bytes
-        loads, reads = [], []
-        if pe_blocks:
-            reads.append(PastRead(Span(rec.pe_node, "buf", pe_off), 0, pe_blocks * bs))
-            loads.append((rec.pe_node, keys[:pe_blocks], pe_off))
-        if n_hit_blocks > pe_blocks:
-            reads.append(PastRead(dst, pe_blocks * bs, (n_hit_blocks - pe_blocks) * bs))
-            loads.append((rec.de_node, keys[pe_blocks:n_hit_blocks], dst.offset + pe_blocks * fb))
+    async def _read_hits(self, rec: RequestRecord, plan: RequestPlan, off: dict[str, int]) -> None:
+        """The plan's loads from the store, every side at once (a split reads both)."""
+        fb = self.geom.full_block_bytes
 
-        async def load(node: str, ks: list[str], offset: int) -> None:
-            self.router.read_started(node, len(ks) * fb)
-            try:
-                await self.c.loaders[node].call("load", keys=ks, offset=offset, timeout_s=self.timeout_s)
-            finally:
-                self.router.read_done(node, len(ks) * fb)
+        async def load(x: Load) -> None:
+            await self.c.loaders[x.node].call("load", keys=list(x.keys), offset=off[x.area] + x.first_block * fb,
+                                              timeout_s=self.timeout_s)
 
-        if loads:
+        if plan.loads:
             rec.t_read_start = self._now()
-            await asyncio.gather(*(load(*x) for x in loads))
+            await asyncio.gather(*(load(x) for x in plan.loads))
             rec.t_read_end = self._now()
-        return tuple(reads)
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -311,48 +273,45 @@ class Conductor:
     # -- intra-engine batching -----------------------------------------------------------------
     async def _prefill(self, pe: str, job: PrefillJob) -> PrefillJob:
         """Queue the job on its PE; returns once its last pass is done."""
-        self._pe_waiting.setdefault(pe, []).append(job)
+        q = self._queues.setdefault(pe, PrefillQueue(self.cost_model, self.quota_s))
+        q.push(job.rec.request, job.n_past, len(job.prompt) - job.n_past)
+        self._jobs[job.rec.request] = job
         if pe not in self._batchers:
             self._batchers[pe] = asyncio.ensure_future(self._batcher(pe))
         return await job.fut
 
-    def _pack(self, waiting: list[PrefillJob]) -> tuple[list[BatchEntry], float]:
-        if self.cost_model is None:  # one whole request per pass
-            head = waiting[0]
-            return [BatchEntry(head.rec.request, head.cached, head.new, True)], 0.0
-        batch = pack_batch([j.item() for j in waiting], self.cost_model, self.quota_s)
-        return list(batch.entries), batch.predicted_s
-
     async def _batcher(self, pe: str) -> None:
-        """Runs the PE's forward passes while it has waiting work, FIFO."""
-        waiting = self._pe_waiting[pe]
-        while waiting:
+        """Runs the PE's forward passes while it has waiting work, FIFO, packed under the quota."""
+        q = self._queues[pe]
+        while len(q):
             await asyncio.sleep(0)  # requests arriving in this same instant join the pass
-            entries, predicted = self._pack(waiting)
-            jobs = waiting[:len(entries)]
+            batch = q.next_batch()
+            jobs = [self._jobs[e.request_id] for e in batch.entries]
             # Loaded: work is left over for the next pass (the quota, not the queue, ended this one).
-            loaded = len(waiting) > len(entries) or not entries[-1].last
-            msgs = [j.next_pass(e.new) for j, e in zip(jobs, entries)]
+            loaded = len(q) > 0
+            msgs = [j.next_pass(e.new) for j, e in zip(jobs, batch.entries)]
             t0 = self._now()
             try:
                 rep = await self.c.clients[pe].call("prefill_batch", requests=msgs, timeout_s=self.timeout_s)
             except ControlError as e:
-                for j in jobs:
-                    waiting.remove(j)
+                for j, entry in zip(jobs, batch.entries):
+                    if not entry.last:
+                        q.drop(entry.request_id)
+                    del self._jobs[entry.request_id]
                     j.fut.set_exception(e)
                 continue
             tm = rep["timing"]
-            self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(entries),
-                                 "chunked": not entries[-1].last, "loaded": loaded,
+            self.batches.append({"pe": pe, "t_start": t0, "t_end": self._now(), "n": len(batch.entries),
+                                 "chunked": not batch.entries[-1].last, "loaded": loaded,
                                  # the pass's compute in the engines' time: the target's when emulated
                                  "attention_s": tm["emulated_s"] if tm["held_s"] else rep["attention_s"],
                                  "attention_cpu_s": rep["attention_s"], "attention_wall_s": rep["attention_wall_s"],
-                                 "predicted_s": predicted, "timing": tm})
-            for j, e, res in zip(jobs, entries, rep["results"]):
+                                 "predicted_s": batch.predicted_s, "timing": tm})
+            for j, e, res in zip(jobs, batch.entries, rep["results"]):
                 j.absorb(res, e.new, self.geom)
                 if e.last:
                     j.t_first_token = rep["t_end"]
-                    waiting.remove(j)
+                    del self._jobs[e.request_id]
                     j.fut.set_result(j)
         del self._batchers[pe]
 

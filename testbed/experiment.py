@@ -29,7 +29,6 @@ from testbed.metrics import percentiles, token_latencies
 from testbed.monitor import CPU_SATURATED, Monitor
 from testbed.runclock import RunClock
 from testbed.topology import Topology
-from testbed.routing import RoundRobinRouter, Router
 from testbed.scheduling import ServiceRouter
 from testbed.verify import Reference
 
@@ -83,7 +82,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     async def go() -> tuple[float, RequestRecord, int, Conductor, dict, tuple[float, float], list, dict]:
         router = _router(cluster, fab, geom, mode, clock)
         await router.start()
-        co = Conductor(cluster, geom, mode, namespace, on_record=on_record, router=router,
+        co = Conductor(cluster, geom, mode, namespace, router, on_record=on_record,
                        cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s)
         sent0 = cluster.control_bytes()
         try:
@@ -142,25 +141,27 @@ def _time_series(mon: Monitor, fab: Fabric, t0: float) -> list[dict]:
     return out
 
 
-def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock: "RunClock") -> Router:
-    """Who decides. dualpath and dualpath-split: the scheduler service, pulled by the engine
-    group leaders (Algorithm 1, DE phases 1-2, then the shorter read queue or a split).
-    dualpath-rr: engines and read paths in turn, the ablation's baseline. The single-path
-    modes: engines in turn."""
-    pe, de = cluster.engines("prefill"), cluster.engines("decode")
-    if mode in ("basic", "layerwise", "oracle"):
-        return RoundRobinRouter(pe, de, ("none",) if mode == "oracle" else ("pe",))
-    if mode == "dualpath-rr":
-        return RoundRobinRouter(pe, de, ("pe", "de"))
-    kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
+# What each step of the ablation ladder changes, one thing at a time: every mode runs through the
+# scheduler (Algorithm 1 for PEs, the two DE phases), and the modes differ in the read path it
+# picks and in the connector (dualpath/kv_plan.py): basic reads on the PE side and loads every
+# layer before computing; layerwise overlaps each layer's load with the previous one's compute;
+# dualpath-rr reads on both sides in turn; dualpath on the side with the shorter read queue;
+# dualpath-split on both at once; oracle skips all I/O (dualpath's decisions, nothing moved).
+PATH_POLICY = {"basic": "pe", "layerwise": "pe", "dualpath-rr": "rr", "dualpath": "shorter",
+               "dualpath-split": "split", "oracle": "shorter"}
+
+
+def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock: "RunClock") -> ServiceRouter:
+    """The scheduler service, pulled by the engine group leaders, with the mode's path policy."""
+    kv_per_token = geom.kv_bytes_per_token
     # alpha is seconds of SNIC reads and beta seconds of prefill, both in the engines' time: on an
     # emulated clock the SNIC reads testbed bytes per testbed second, so alpha's 3 emulated seconds
     # last 3k here, while beta's tokens come from the target's own prefill rate.
     profile = Profile(snic_bytes_per_s=fab.topo.snic_bps / 8,
                       prefill_tokens_per_s=clock.prefill_tokens_per_s or cluster.prefill_tokens_per_s,
                       kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
-    sched = Scheduler(profile, path_policy="split" if mode == "dualpath-split" else "shorter",
-                      alpha_s=PAPER_ALPHA_S * clock.dilation, beta_s=PAPER_BETA_S)
+    sched = Scheduler(profile, path_policy=PATH_POLICY[mode], alpha_s=PAPER_ALPHA_S * clock.dilation,
+                      beta_s=PAPER_BETA_S)
     return ServiceRouter(cluster, sched, CONDUCTOR_IP)
 
 

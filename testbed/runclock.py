@@ -25,7 +25,7 @@ class RunClock:
 
     @classmethod
     def of(cls, topo: Topology, geom: BlockGeometry) -> "RunClock":
-        tb = geom.bytes_per_token_per_layer * geom.n_layer
+        tb = geom.kv_bytes_per_token
         tgt = topo.target()
         name = f"{topo.spec.target.model} on {topo.spec.target.gpu}"
         if not topo.emulated:

@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from dualpath.agents.common import state_port
 from dualpath.scheduler.core import Scheduler
@@ -22,7 +23,7 @@ from dualpath.scheduler.messages import RequestMsg
 from dualpath.scheduler.records import Assignment, Request
 from dualpath.scheduler.service import SchedulerClient, SchedulerService
 from testbed.cluster import CONTROL_PORT, Cluster
-from testbed.routing import Route, Router
+from dualpath.kv_plan import Route
 
 SERVICE_MAX_S = 6 * 3600  # the serving loop's own bound; a run stops it long before
 
@@ -35,7 +36,14 @@ def groups_of(cluster: Cluster) -> dict[str, list[str]]:
     return out
 
 
-class ServiceRouter(Router):
+class Router(Protocol):
+    """What the conductor asks of whoever decides: engines and a read path for a request."""
+
+    async def route(self, req: Request, timeout_s: float) -> Route | None:
+        """None if no engine admitted the request within timeout_s."""
+
+
+class ServiceRouter:
     def __init__(self, cluster: Cluster, scheduler: Scheduler, bind_ip: str,
                  interval_s: float = 0.02) -> None:
         self.c, self.interval_s = cluster, interval_s
@@ -97,7 +105,7 @@ class ServiceRouter(Router):
             if fut is not None and not fut.done():
                 fut.set_result(a)
 
-    async def route(self, req: Request, n_hit_blocks: int, timeout_s: float) -> Route | None:
+    async def route(self, req: Request, timeout_s: float) -> Route | None:
         decided, delivered = self.loop.create_future(), self.loop.create_future()
         self._decided[req.request_id] = decided
         self._delivered[req.request_id] = delivered
@@ -112,5 +120,4 @@ class ServiceRouter(Router):
             self._decided.pop(req.request_id, None)
             self._delivered.pop(req.request_id, None)
             return None
-        # The engines report their own load to their leaders: Router's event hooks stay no-ops.
         return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)

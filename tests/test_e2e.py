@@ -11,7 +11,8 @@ from dualpath.workload import demo_workload, generate
 from emulators.kvstore.blockfile import decode_header
 from testbed.cluster import Cluster
 from testbed.conductor import Conductor
-from testbed.experiment import run_e2e, run_geometry, summarize
+from testbed.experiment import _router, run_e2e, run_geometry, summarize
+from testbed.runclock import RunClock
 from testbed.fabric import Fabric
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
@@ -86,7 +87,8 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
         cluster.run(cluster.connect())
         victim = cluster.procs["dpt-d0e0"]
         decodes = cluster.jobs["dpt-d0e0"]
-        co = Conductor(cluster, geom, "dualpath", b"kill-test", request_timeout_s=60)
+        router = _router(cluster, fab, geom, "dualpath", RunClock.of(fab.topo, geom))
+        co = Conductor(cluster, geom, "dualpath", b"kill-test", router, request_timeout_s=60)
 
         def killer():  # SIGKILL while the victim has decodes in flight (READ, decode, WRITE)
             deadline = time.monotonic() + 60
@@ -95,12 +97,16 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
             victim.proc.kill()
 
         async def go():
-            await co.warm(workload.system_prompt)
-            threading.Thread(target=killer, daemon=True).start()
-            import asyncio
-            return await asyncio.gather(*[
-                co.trajectory(t.id, workload.system_prompt, [(list(x.append), x.gen_len) for x in t.turns])
-                for t in workload.trajectories])
+            await router.start()
+            try:
+                await co.warm(workload.system_prompt)
+                threading.Thread(target=killer, daemon=True).start()
+                import asyncio
+                return await asyncio.gather(*[
+                    co.trajectory(t.id, workload.system_prompt, [(list(x.append), x.gen_len) for x in t.turns])
+                    for t in workload.trajectories])
+            finally:
+                await router.stop()
 
         t0 = time.monotonic()
         recs = [r for per in cluster.run(go()) for r in per]

@@ -52,10 +52,14 @@ def main() -> None:
     from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 
     model = Transformer.from_pretrained(args.checkpoint)
+    # One throwaway pass and step before serving: the first call of each kernel shape allocates
+    # and builds tables, and on an emulated clock that one-time cost would overrun a real pass.
+    warm = model.prefill([0] * 64)
+    model.decode_step([0], [warm.new_kv])
     geom = BlockGeometry.from_config(model.config, block_size=args.block_size)
     agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm")
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
-    kv_per_token = geom.bytes_per_token_per_layer * geom.n_layer
+    kv_per_token = geom.kv_bytes_per_token
     load = EngineLoad(args.hbm_bytes // kv_per_token)  # what this engine reports to its group leader
     leading: list[GroupLeader] = []
 

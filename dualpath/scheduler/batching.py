@@ -117,3 +117,7 @@ class PrefillQueue:
                 head.cached += e.new
                 head.new -= e.new
         return batch
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's remaining work (its pass failed)."""
+        self._q = deque(item for item in self._q if item.request_id != request_id)
