@@ -37,6 +37,7 @@ from .striping import group_by_server
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 MAX_HAS_KEYS = 1024  # the server's per-request limit
+MAX_VERIFY_KEYS = 128  # ... and with verify (every payload is read)
 WINDOW_BYTES = 32 << 20  # default bytes of outstanding get requests per server
 
 
@@ -242,11 +243,18 @@ class StoreClient:
 
     # ---- writes ----------------------------------------------------------
     def put(self, key: str, data: Buffer) -> bool:
-        """Store one block durably. True if stored now, False if it already was."""
+        """Store one block durably. True if written now (new, or replacing a damaged copy),
+        False if an intact copy was already stored."""
         return self.put_many([(key, data)])[0]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """Store blocks durably (acknowledged = fsynced and visible), pipelined per server."""
+        """Store blocks durably (acknowledged = fsynced and visible), pipelined per server.
+        Per block: True if written now (new or repaired), False if already stored intact."""
+        return [s != "exists" for s in self.put_status(items)]
+
+    def put_status(self, items: Sequence[tuple[str, Buffer]]) -> list[str]:
+        """put_many, telling per block "new", "repaired" (a stored copy failed its checks and
+        these bytes replaced it) or "exists" (an intact copy was stored; nothing changed)."""
         views: list[memoryview] = []
         keys: list[str] = []
         for key, data in items:
@@ -255,18 +263,18 @@ class StoreClient:
             if len(view) != self.block_bytes:
                 raise BadRequestError(f"block {key} has {len(view)} bytes, store blocks are {self.block_bytes}", key=key)
             views.append(view)
-        new: list[bool] = [False] * len(keys)
+        status: list[str] = ["exists"] * len(keys)
         errors: dict[int, StoreError] = {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
             with conn.lock:
-                self._put_group(conn, positions, keys, views, new, errors)
+                self._put_group(conn, positions, keys, views, status, errors)
 
         self._run_groups(group_by_server(keys, self.n_servers), work)
         if errors:
             raise _first_error(errors, keys)
-        return new
+        return status
 
     def _put_group(
         self,
@@ -274,7 +282,7 @@ class StoreClient:
         positions: list[int],
         keys: list[str],
         views: list[memoryview],
-        new: list[bool],
+        status: list[str],
         errors: dict[int, StoreError],
     ) -> None:
         ids: list[int] = []
@@ -284,7 +292,7 @@ class StoreClient:
             for i, pos in enumerate(positions):
                 # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
                 while i - recvd >= self.window:
-                    self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
+                    self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
                     recvd += 1
                 rid = conn.new_id()
                 ids.append(rid)
@@ -293,7 +301,7 @@ class StoreClient:
                 sock.sendall(pack_frame(head))
                 sock.sendall(view)
             while recvd < len(positions):
-                self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
+                self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
                 recvd += 1
         except (OSError, StoreError) as exc:
             conn.reset()
@@ -302,10 +310,10 @@ class StoreClient:
                 errors.setdefault(pos, err)
 
     @staticmethod
-    def _put_reply(conn: _Connection, rid: int, pos: int, new: list[bool], errors: dict[int, StoreError]) -> None:
+    def _put_reply(conn: _Connection, rid: int, pos: int, status: list[str], errors: dict[int, StoreError]) -> None:
         reply = conn.read_reply(rid)
         if reply.get("ok"):
-            new[pos] = bool(reply.get("new"))
+            status[pos] = "repaired" if reply.get("repaired") else "new" if reply.get("new") else "exists"
         else:
             errors[pos] = error_from_reply(reply)
 
@@ -322,7 +330,9 @@ class StoreClient:
         All blocks that can be read are read; then the error of the first failed
         key is raised (MissingBlockError, CorruptBlockError, ...) with every
         failure in its `.errors` dict (key -> error). Bytes at a failed offset
-        are unspecified.
+        are unspecified. A caller that counts blocks as hits treats a key in
+        `.errors` with MissingBlockError or CorruptBlockError as a miss (recompute
+        it, then put it again: a put of the right bytes repairs a damaged block).
         """
         keys = [check_key(k) for k in keys]
         mv = memoryview(out)
@@ -428,17 +438,25 @@ class StoreClient:
                     errors.setdefault(p, _corrupt(keys[p]))
 
     # ---- metadata --------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Which of `keys` are stored (one round trip per server per 1024 keys)."""
+    def contains(self, keys: Sequence[str], verify: bool = False) -> list[bool]:
+        """Which of `keys` are stored intact (one round trip per server per 1024 keys).
+
+        The server checks each block's header and size (cheap: a damaged header or a
+        truncated file is not "stored"); `verify` also checks each payload's CRC on the
+        server, which reads every block (128 keys per round trip). Without it a block whose
+        payload bits flipped on disk still counts, and its read raises CorruptBlockError.
+        """
         keys = [check_key(k) for k in keys]
         have = [False] * len(keys)
+        per_call = MAX_VERIFY_KEYS if verify else MAX_HAS_KEYS
+        extra = {"verify": True} if verify else {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
-            for start in range(0, len(positions), MAX_HAS_KEYS):
-                chunk = positions[start : start + MAX_HAS_KEYS]
+            for start in range(0, len(positions), per_call):
+                chunk = positions[start : start + per_call]
                 with conn.lock:
-                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk]})
+                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk], **extra})
                 flags = reply.get("have")
                 if not isinstance(flags, list) or len(flags) != len(chunk):
                     raise ProtocolError("malformed has reply")

@@ -12,12 +12,16 @@ Requests (client -> server), each with a per-connection integer `id`:
     {"op": "get", "id", "key"}
     {"op": "mget", "id", "keys": [...]}   # = gets with ids id, id+1, ...;
                                           # lets the server prefetch the batch
-    {"op": "has", "id", "keys": [...]}
+    {"op": "has", "id", "keys": [...], "verify": bool (optional)}
+                                          # header + size checked; with verify
+                                          # also each payload's CRC
     {"op": "delete", "id", "key"}
     {"op": "stat", "id"}
 Replies (server -> client), in request order, echoing `id`:
     ok:    {"id", "ok": True, ...}; a get reply carries "n", "crc" and "algo"
            and is followed by the n payload bytes, a put reply carries "new"
+           (stored now) and "repaired" (replaced a stored copy that failed
+           its checks); neither: an intact copy was already there
     error: {"id", "ok": False, "err": code, "msg": text, "key": key-or-None}
 
 The payload travels raw after the header so the server can sendfile() a block

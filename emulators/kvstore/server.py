@@ -33,6 +33,7 @@ from dualpath.store.errors import (
     ProtocolError,
     ServerBusyError,
     StoreError,
+    short_repr,
 )
 from dualpath.store.keys import check_key
 from dualpath.store.protocol import (
@@ -59,6 +60,7 @@ DRAIN_BYTES = 64 * 1024  # per-connection buffer: fallback for puts when the poo
 # 1.47 at 2 MiB, 1.36 at 32 MiB; 1 MiB blocks, interleaved runs).
 READAHEAD_BYTES = 8 << 20
 MAX_HAS_KEYS = 1024  # a has-request's keys also fit the 64 KiB header limit
+MAX_VERIFY_KEYS = 128  # a verifying has reads every payload: as many blocks as one mget
 
 
 class _BufferPool:
@@ -332,10 +334,15 @@ class StoreServer:
                 self._mget(conn, rid, req, drain, ahead)
                 return
             if op == "has":
-                keys = req.get("keys")
-                if not isinstance(keys, list) or len(keys) > MAX_HAS_KEYS:
-                    raise BadRequestError(f"has needs a list of at most {MAX_HAS_KEYS} keys")
-                have = [self.store.has(check_key(k)) for k in keys]
+                keys, verify = req.get("keys"), req.get("verify", False)
+                if type(verify) is not bool:
+                    raise BadRequestError(f"has: field 'verify' must be true or false, got {short_repr(verify)}")
+                most = MAX_VERIFY_KEYS if verify else MAX_HAS_KEYS
+                if not isinstance(keys, list) or len(keys) > most:
+                    raise BadRequestError(f"has: field 'keys' must be a list of at most {most} keys"
+                                          f"{' with verify' if verify else ''}")
+                keys = [check_key(k) for k in keys]
+                have = [self.store.has(k, verify, memoryview(drain)) for k in keys]
                 conn.sendall(pack_frame({"id": rid, "ok": True, "have": have}))
             elif op == "delete":
                 deleted = self.store.delete(check_key(req.get("key")))
@@ -481,7 +488,7 @@ class StoreServer:
                     f"put needs algo {WRITE_ALGO} ({ALGO_NAMES[WRITE_ALGO]}), got {algo!r}; client older than store protocol v2?",
                     key=key if isinstance(key, str) else None,
                 )
-            txn = self.store.begin_put(check_key(key), n, crc)
+            txn = self.store.begin_put(check_key(key), n, crc, memoryview(drain))
         except StoreError as e:
             err = e
         buf = self._pool.acquire(timeout=5.0) if (txn is not None and n) else None
@@ -500,9 +507,9 @@ class StoreServer:
                         err = e
                         txn.abort()
                         txn = None
-            new = False
+            status = "exists"
             if txn is not None:
-                new = txn.commit()
+                status = txn.commit()
                 txn = None
         except ProtocolError:
             raise  # the stream is broken; _serve_conn hangs up
@@ -516,7 +523,10 @@ class StoreServer:
         if err is not None:
             self._reply_error(conn, rid, err)
         else:
-            conn.sendall(pack_frame({"id": rid, "ok": True, "new": new}))
+            # "new": stored now; "repaired": replaced a damaged block; neither: an intact one was there.
+            conn.sendall(pack_frame({"id": rid, "ok": True, "new": status == "new", "repaired": status == "repaired"}))
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
