@@ -15,6 +15,7 @@ out and removed as it arrives (or when its request fails), so read_q is exact.
 """
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ from .checksum import ALGO_NAMES, HARDWARE_CRC32C, WRITE_ALGO, checksum, is_know
 from .errors import (
     BadRequestError,
     CorruptBlockError,
+    PeerClosedError,
     ProtocolError,
     StoreConnectionError,
     StoreError,
@@ -61,6 +63,22 @@ class _Connection:
             self._sock = s
         return self._sock
 
+    def begin(self) -> tuple[socket.socket, bool]:
+        """The socket for a new exchange, and whether it served earlier ones.
+
+        Servers close connections that sit idle (and may close an idle one to admit
+        another client): an idle socket that has become readable holds only that EOF,
+        so it is replaced here. One closed in the instant before a request goes out is
+        seen as a failed exchange on a reused socket, which callers retry once.
+        """
+        if self._sock is not None:
+            p = select.poll()
+            p.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if p.poll(0):
+                self.reset()
+        reused = self._sock is not None
+        return self.sock(), reused
+
     def reset(self) -> None:
         """Drop the connection: after any wire error the stream may be out of sync."""
         if self._sock is not None:
@@ -85,19 +103,30 @@ class _Connection:
 
     def call(self, header: dict[str, Any]) -> dict[str, Any]:
         """One request without payload, one reply without payload."""
-        rid = self.new_id()
-        try:
-            self.sock().sendall(pack_frame({**header, "id": rid}))
-            reply = self.read_reply(rid)
-        except (OSError, ProtocolError) as exc:
-            self.reset()
-            raise _wire_error(self.address, exc) from None
-        except StoreError:
-            self.reset()
-            raise
+        for attempt in (0, 1):
+            reused = False
+            rid = self.new_id()
+            try:
+                sock, reused = self.begin()
+                sock.sendall(pack_frame({**header, "id": rid}))
+                reply = self.read_reply(rid)
+                break
+            except (OSError, ProtocolError) as exc:
+                self.reset()
+                if attempt == 0 and reused and _closed_by_peer(exc):
+                    continue  # the server had closed it while idle: once more on a new connection
+                raise _wire_error(self.address, exc) from None
+            except StoreError:
+                self.reset()
+                raise
         if not reply.get("ok"):
             raise error_from_reply(reply)
         return reply
+
+
+def _closed_by_peer(exc: BaseException) -> bool:
+    """A failure that means the server had closed the connection (not a reply, not a timeout)."""
+    return isinstance(exc, (PeerClosedError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
 
 
 def _wire_error(address: tuple[str, int], exc: BaseException) -> StoreError:
@@ -285,29 +314,35 @@ class StoreClient:
         status: list[str],
         errors: dict[int, StoreError],
     ) -> None:
-        ids: list[int] = []
-        recvd = 0
-        try:
-            sock = conn.sock()
-            for i, pos in enumerate(positions):
-                # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
-                while i - recvd >= self.window:
+        for attempt in (0, 1):
+            ids: list[int] = []
+            recvd = 0
+            reused = False
+            try:
+                sock, reused = conn.begin()
+                for i, pos in enumerate(positions):
+                    # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
+                    while i - recvd >= self.window:
+                        self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
+                        recvd += 1
+                    rid = conn.new_id()
+                    ids.append(rid)
+                    view = views[pos]
+                    head = {"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": checksum(view), "algo": WRITE_ALGO}
+                    sock.sendall(pack_frame(head))
+                    sock.sendall(view)
+                while recvd < len(positions):
                     self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
                     recvd += 1
-                rid = conn.new_id()
-                ids.append(rid)
-                view = views[pos]
-                head = {"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": checksum(view), "algo": WRITE_ALGO}
-                sock.sendall(pack_frame(head))
-                sock.sendall(view)
-            while recvd < len(positions):
-                self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
-                recvd += 1
-        except (OSError, StoreError) as exc:
-            conn.reset()
-            err = _wire_error(conn.address, exc)
-            for pos in positions[recvd:]:
-                errors.setdefault(pos, err)
+                return
+            except (OSError, StoreError) as exc:
+                conn.reset()
+                if attempt == 0 and reused and recvd == 0 and _closed_by_peer(exc):
+                    continue  # closed while idle before any reply: puts are idempotent, send them again
+                err = _wire_error(conn.address, exc)
+                for pos in positions[recvd:]:
+                    errors.setdefault(pos, err)
+                return
 
     @staticmethod
     def _put_reply(conn: _Connection, rid: int, pos: int, status: list[str], errors: dict[int, StoreError]) -> None:
@@ -380,56 +415,65 @@ class StoreClient:
         ids: list[int] = []
         sent = recvd = 0
         try:
-            sock = conn.sock()
-            while recvd < len(positions):
-                # Refill the window in one send once half of it has been answered.
-                if sent < len(positions) and sent - recvd <= self.window // 2:
-                    # One mget frame per refill: the server reads ahead across the batch, and on
-                    # into this frame while it still sends the previous one.
-                    upto = min(len(positions), recvd + self.window, sent + MAX_MGET_KEYS)
-                    first = conn.new_id()
-                    for _ in range(sent + 1, upto):
-                        conn.new_id()
-                    ids.extend(range(first, first + upto - sent))
-                    sock.sendall(pack_frame({"op": "mget", "id": first, "keys": [keys[p] for p in positions[sent:upto]]}))
-                    sent = upto
-                pos = positions[recvd]
-                reply = conn.read_reply(ids[recvd])
-                if not reply.get("ok"):
-                    errors[pos] = error_from_reply(reply)
-                    self.read_q.done(bb)
-                    outstanding -= bb
-                    recvd += 1
-                    continue
-                n = reply.get("n")
-                if n != bb:
-                    raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
-                algo = reply.get("algo")
-                if not is_known_algo(algo):
-                    # Never read a block unchecked: a v1 server names no algo, a newer one may name one we lack.
-                    raise ProtocolError(f"block {keys[pos]}: reply names checksum algo {algo!r}, known: {ALGO_NAMES}")
-                # Payload straight into the caller's buffer.
-                view, crc, got = views[pos], 0, 0
-                while got < bb:
-                    k = sock.recv_into(view[got:], bb - got)
-                    if k == 0:
-                        raise ProtocolError(f"connection closed after {got} of {bb} payload bytes")
-                    if checker is None:  # inline: CRC each chunk while it is hot in cache
-                        crc = checksum(view[got : got + k], algo, crc)
-                    got += k
-                    outstanding -= k
-                    self.read_q.done(k)
-                if checker is None:
-                    if crc != reply.get("crc"):
-                        errors[pos] = _corrupt(keys[pos])
-                else:
-                    checker.add(pos, view, algo, reply.get("crc"))
-                recvd += 1
-        except (OSError, StoreError) as exc:
-            conn.reset()
-            err = _wire_error(conn.address, exc)
-            for p in positions[recvd:]:
-                errors.setdefault(p, err)
+            for attempt in (0, 1):
+                ids, sent, recvd = [], 0, 0
+                reused = replied = False
+                try:
+                    sock, reused = conn.begin()
+                    while recvd < len(positions):
+                        # Refill the window in one send once half of it has been answered.
+                        if sent < len(positions) and sent - recvd <= self.window // 2:
+                            # One mget frame per refill: the server reads ahead across the batch, and on
+                            # into this frame while it still sends the previous one.
+                            upto = min(len(positions), recvd + self.window, sent + MAX_MGET_KEYS)
+                            first = conn.new_id()
+                            for _ in range(sent + 1, upto):
+                                conn.new_id()
+                            ids.extend(range(first, first + upto - sent))
+                            sock.sendall(pack_frame({"op": "mget", "id": first, "keys": [keys[p] for p in positions[sent:upto]]}))
+                            sent = upto
+                        pos = positions[recvd]
+                        reply = conn.read_reply(ids[recvd])
+                        replied = True
+                        if not reply.get("ok"):
+                            errors[pos] = error_from_reply(reply)
+                            self.read_q.done(bb)
+                            outstanding -= bb
+                            recvd += 1
+                            continue
+                        n = reply.get("n")
+                        if n != bb:
+                            raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
+                        algo = reply.get("algo")
+                        if not is_known_algo(algo):
+                            # Never read a block unchecked: a v1 server names no algo, a newer one may name one we lack.
+                            raise ProtocolError(f"block {keys[pos]}: reply names checksum algo {algo!r}, known: {ALGO_NAMES}")
+                        # Payload straight into the caller's buffer.
+                        view, crc, got = views[pos], 0, 0
+                        while got < bb:
+                            k = sock.recv_into(view[got:], bb - got)
+                            if k == 0:
+                                raise PeerClosedError(f"connection closed after {got} of {bb} payload bytes")
+                            if checker is None:  # inline: CRC each chunk while it is hot in cache
+                                crc = checksum(view[got : got + k], algo, crc)
+                            got += k
+                            outstanding -= k
+                            self.read_q.done(k)
+                        if checker is None:
+                            if crc != reply.get("crc"):
+                                errors[pos] = _corrupt(keys[pos])
+                        else:
+                            checker.add(pos, view, algo, reply.get("crc"))
+                        recvd += 1
+                    return
+                except (OSError, StoreError) as exc:
+                    conn.reset()
+                    if attempt == 0 and reused and not replied and _closed_by_peer(exc):
+                        continue  # closed while idle before any reply: ask again on a new connection
+                    err = _wire_error(conn.address, exc)
+                    for p in positions[recvd:]:
+                        errors.setdefault(p, err)
+                    return
         finally:
             if outstanding:
                 self.read_q.done(outstanding)  # given up on: no longer pending

@@ -84,6 +84,10 @@ class ProtocolError(StoreError):
     code = "protocol"
 
 
+class PeerClosedError(ProtocolError):
+    """The other side closed the connection (EOF) where a frame or payload was expected."""
+
+
 class StoreConnectionError(StoreError, ConnectionError):
     """The connection to a server failed (refused, reset, timed out)."""
 
