@@ -15,18 +15,24 @@ import time
 from typing import Callable
 
 import zmq
-from pydantic import ValidationError, validate_call
+from pydantic import ConfigDict, ValidationError, validate_call
 
-from dualpath.control import MAX_MSG_BYTES, pack, unpack
+from dualpath.control import MAX_MSG_BYTES, RequestError, one_line, pack, short, unpack, unpack_request
 
 MAX_LOG = 200_000  # loads remembered between two drains
+MAX_LOAD_KEYS = 1 << 16  # blocks per load (a load fills consecutive slots of one buffer)
+MAX_KEY_CHARS = 64  # a store key is 32 hex digits
 
 
 class ReadQueueServer:
-    def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict]) -> None:
-        """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read)."""
+    def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict],
+                 check: Callable[[list[str], int], None] | None = None) -> None:
+        """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read);
+        `check(keys, offset)` validates a load's arguments on arrival (raise ValueError), so a
+        bad one is refused at once, never queued or counted in read_q."""
         self.endpoint, self.block_bytes = endpoint, block_bytes
         self._load = load
+        self._check = check
         self._lock = threading.Lock()
         self._pending = 0
         self._work: queue.Queue = queue.Queue()
@@ -88,20 +94,29 @@ class ReadQueueServer:
             done.close()
 
     def _accept(self, payload: bytes, ident: bytes) -> dict | None:
+        """Queue a load, or the error reply (one line naming the field) to send at once."""
         try:
-            msg = unpack(payload)
-        except Exception as e:
-            return {"ok": False, "id": None, "error": f"not a msgpack message: {e}"}
+            msg = unpack_request(payload)
+        except RequestError as e:
+            return {"ok": False, "id": None, "error": one_line(str(e))}
         rid = msg.get("id") if isinstance(msg, dict) else None
+        if type(rid) is not int:  # replies are matched by an integer id; echo nothing else
+            rid = None
         if not isinstance(msg, dict) or msg.get("cmd") != "load" or not isinstance(msg.get("args"), dict):
             return {"ok": False, "id": rid, "error": "the read queue serves {'cmd': 'load', 'args': {...}, 'id': ...}"}
+        args = msg["args"]
+        if any(not isinstance(k, str) for k in args):
+            return {"ok": False, "id": rid, "error": "load: argument names must be strings"}
         try:
-            keys, offset = _check_load(**msg["args"])
+            keys, offset = _check_load(**args)
+            if self._check is not None:
+                self._check(keys, offset)
         except ValidationError as e:
             err = e.errors()[0]
-            return {"ok": False, "id": rid, "error": f"load: field '{'.'.join(map(str, err['loc']))}': {err['msg']}"}
-        except TypeError as e:
-            return {"ok": False, "id": rid, "error": f"load: {e}"}
+            field = one_line(".".join(map(str, err["loc"])), 80)
+            return {"ok": False, "id": rid, "error": one_line(f"load: field '{field}': {err['msg']}")}
+        except (TypeError, ValueError) as e:
+            return {"ok": False, "id": rid, "error": one_line(f"load: {e}")}
         nbytes = len(keys) * self.block_bytes
         with self._lock:
             self._pending += nbytes
@@ -130,6 +145,14 @@ class ReadQueueServer:
             push.close()
 
 
-@validate_call
+@validate_call(config=ConfigDict(strict=True))
 def _check_load(keys: list[str], offset: int) -> tuple[list[str], int]:
+    """A load's arguments by type (strict: no "5" for 5, no true for 1) and by size."""
+    if len(keys) > MAX_LOAD_KEYS:
+        raise ValueError(f"field 'keys': {len(keys)} keys, at most {MAX_LOAD_KEYS} per load")
+    for i, k in enumerate(keys):
+        if len(k) > MAX_KEY_CHARS:
+            raise ValueError(f"field 'keys': entry {i} is {short(k)}, not a block key")
+    if offset < 0:
+        raise ValueError(f"field 'offset' must be >= 0, got {offset}")
     return keys, offset
