@@ -211,11 +211,12 @@ def _check_safetensors(f: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
             raise CheckpointError(f"{f}: not a regular file")
         size = st.st_size
         if size < 8:
-            raise CheckpointError(f"{f}: truncated: {size} bytes, not even a safetensors header length")
+            raise CheckpointError(f"{f}: truncated: {size} bytes, not even a safetensors header length; "
+                                  "fix: copy or convert the checkpoint again")
         (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
         if n > MAX_ST_HEADER_BYTES or 8 + n > size:
             raise CheckpointError(f"{f}: safetensors header of {n} bytes does not fit the file's {size} bytes "
-                                  "(truncated or not safetensors)")
+                                  "(truncated or not safetensors); fix: copy or convert the checkpoint again")
         raw = os.pread(fd, n, 8)
     except OSError as e:
         raise CheckpointError(f"{f}: cannot read ({e.strerror})") from None
@@ -249,7 +250,8 @@ def _check_safetensors(f: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
                                   f"({nbytes} bytes)")
         if offs[1] > data:
             raise CheckpointError(f"{where}: bytes [{offs[0]}, {offs[1]}) run past the file's {data} data bytes "
-                                  f"(truncated: the file is {size} bytes, it needs {8 + n + offs[1]})")
+                                  f"(truncated: the file is {size} bytes, it needs {8 + n + offs[1]}); fix: copy or convert "
+                                  "the checkpoint again")
         spans.append((offs[0], offs[1], name))
         out[name] = (f, dtype, tuple(shape))
     spans.sort()
