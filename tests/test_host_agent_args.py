@@ -154,6 +154,10 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
             ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [1], "timeout_s": "inf"}, "timeout_s"),
             ("wait_notifs", {"peer": "nobody", "msgs": ["x"], "timeout_s": math.nan}, "timeout_s"),
             ("wait_notifs", {"peer": "nobody", "msgs": "x"}, "msgs"),
+            # Taken as sent: no "0" or true for an offset, no true for a CRC (pydantic's lax mode converts them).
+            ("flush", {"keys": KEYS[:1], "offset": "0", "crcs": [1], "timeout_s": 1.0}, "offset"),
+            ("flush", {"keys": KEYS[:1], "offset": True, "crcs": [1], "timeout_s": 1.0}, "offset"),
+            ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [True], "timeout_s": 1.0}, "crcs.0"),
         ]
         for cmd, args, field in bad:
             reply, took = _rpc(ctl, cmd, **args)

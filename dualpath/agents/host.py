@@ -13,6 +13,8 @@ import math
 import time
 import zlib
 
+from pydantic import ConfigDict, validate_call
+
 from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
 from dualpath.agents.common import load_port
 from dualpath.agents.leader import serve_state
@@ -27,6 +29,9 @@ from dualpath.store.keys import check_key
 MAX_TIMEOUT_S = 600.0
 MAX_NOTIFS = 1 << 16  # notifications per wait_notifs (one per written-back block)
 MAX_NAME_CHARS = 256  # a peer name or a notification message
+# The storage commands' arguments are taken as sent: strict types, so "0" or true is no offset and
+# [true] no CRC (pydantic's lax mode would convert them), then the checks below.
+strict = validate_call(config=ConfigDict(strict=True))
 
 
 def check_timeout(cmd: str, timeout_s: object, most: float = MAX_TIMEOUT_S) -> float:
@@ -99,6 +104,7 @@ def main() -> None:
     def check_load(keys: list[str], offset: int) -> None:
         check_blocks("load", keys, offset, len(buf), fb)
 
+    @strict
     def load(keys: list[str], offset: int) -> dict:
         """Read Full Blocks into consecutive slots of the buffer from `offset`."""
         t0 = time.perf_counter()
@@ -106,6 +112,7 @@ def main() -> None:
         store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
         return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0}
 
+    @strict
     def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:
         """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
 
@@ -122,6 +129,7 @@ def main() -> None:
         new = store.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
         return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0}
 
+    @strict
     def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
         """Block until `peer` has notified every message: NIXL delivers a transfer's
         notification after its data, so the WRITEs before them have landed."""
