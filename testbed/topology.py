@@ -32,7 +32,6 @@ Bounds on what the emulation can carry (each with its reason):
 """
 from __future__ import annotations
 
-import math
 import os
 import stat
 from dataclasses import dataclass
