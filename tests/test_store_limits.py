@@ -137,19 +137,21 @@ def test_an_incomplete_header_is_cut_off(make_server):
 
 
 def test_a_client_that_does_not_read_is_cut_off(make_server):
-    srv = make_server(stall_timeout_s=0.5)
-    keys = keys_for(100, seed=40)
+    srv = make_server(stall_timeout_s=0.5, idle_timeout_s=60)
+    k = keys_for(1, seed=40)[0]
     with StoreClient([srv.address], BB) as c:
-        c.put_many([(k, block(i % 4)) for i, k in enumerate(keys)])
+        c.put(k, block(4))
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(srv.address)
     try:
-        s.sendall(pack_frame({"op": "mget", "id": 1, "keys": keys}))  # 3 MiB of replies, never read
+        # 8 x 128 x 32 KiB = 32 MiB of replies, never read: more than any socket buffer here
+        # (tcp_wmem max is 16 MiB), so the server's sends stall and only its stall timeout ends them.
+        s.sendall(b"".join(pack_frame({"op": "mget", "id": 1 + 128 * i, "keys": [k] * 128}) for i in range(8)))
         deadline = time.monotonic() + 5
         while srv._conns and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not srv._conns  # the server gave up on it
+        assert not srv._conns  # the server gave up on it, long before its idle timeout
     finally:
         s.close()
 
