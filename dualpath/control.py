@@ -23,6 +23,14 @@ import zmq.asyncio
 from pydantic import ValidationError, validate_call
 
 MAX_MSG_BYTES = 64 << 20
+# What one request may build when unpacked (replies are ours and unbounded here). Without a
+# bound a 64 MiB request of empty arrays builds 64 M Python lists (about 4 GB, a minute);
+# with it a request builds at most about 2 * MAX_REQUEST_ITEMS objects (~130 MB, < 1 s).
+# The largest real request, a prefill_batch of long prompts, is some 10^5 token ids.
+MAX_REQUEST_ITEMS = 1 << 20  # elements and containers in all, nested ones included
+MAX_REQUEST_STR = 1 << 20  # bytes of one string
+MAX_REQUEST_BIN = 16 << 20  # bytes of one binary (transport metadata is a few KiB)
+MAX_ERROR_CHARS = 300  # an error reply is one line of at most this many characters
 
 
 class ControlError(RuntimeError):
@@ -37,11 +45,53 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+class RequestError(ValueError):
+    """A request that cannot be unpacked within the bounds above, or is not a request."""
+
+
+def unpack_request(data: bytes) -> Any:
+    """Unpack a request (server side) within MAX_REQUEST_* bounds; RequestError otherwise."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > MAX_MSG_BYTES:
+        raise RequestError(f"a request is at most {MAX_MSG_BYTES} bytes of msgpack")
+    items = [0]
+
+    def count(obj: Any) -> Any:
+        items[0] += len(obj) + 1
+        if items[0] > MAX_REQUEST_ITEMS:
+            raise RequestError(f"more than {MAX_REQUEST_ITEMS} items")
+        return obj
+
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, list_hook=count, object_hook=count,
+                               max_array_len=MAX_REQUEST_ITEMS, max_map_len=MAX_REQUEST_ITEMS,
+                               max_str_len=MAX_REQUEST_STR, max_bin_len=MAX_REQUEST_BIN,
+                               max_ext_len=0)
+    except RequestError as e:
+        raise RequestError(f"not a request within bounds: {e}") from None
+    except Exception as e:  # msgpack raises several unrelated types (StackError on deep nesting)
+        raise RequestError(f"not a msgpack message: {type(e).__name__}: {one_line(str(e), 120)}") from None
+
+
+def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` on one line, at most `limit` characters (an error reply never echoes a whole request)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """A bounded repr of a value taken from a request."""
+    from dualpath.store.errors import short_repr
+
+    return short_repr(value, limit)
+
+
 class RpcServer:
     """Serves named commands on a REP socket until `shutdown` (or a deadline)."""
 
     def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]]):
-        self.handlers = {name: validate_call(fn) for name, fn in handlers.items()}
+        # A handler that already validates its arguments (e.g. validate_call in strict mode, so "0"
+        # or true is no int) keeps its own validation; the others get pydantic's lax one.
+        self.handlers = {name: fn if hasattr(fn, "raw_function") else validate_call(fn) for name, fn in handlers.items()}
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -49,26 +99,35 @@ class RpcServer:
         self.sock.bind(endpoint)
 
     def handle(self, payload: bytes) -> dict[str, Any]:
+        """The reply to one request: never raises, and an error is one line naming the
+        command and the field (bounded in length: nothing of the request is echoed whole)."""
         try:
-            msg = unpack(payload)
-        except Exception as e:
-            return {"ok": False, "error": f"not a msgpack message: {e}"}
+            msg = unpack_request(payload)
+        except RequestError as e:
+            return {"ok": False, "error": one_line(str(e))}
         if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
             return {"ok": False, "error": "a request is a map with a string field 'cmd'"}
-        fn = self.handlers.get(msg["cmd"])
+        cmd = msg["cmd"]
+        fn = self.handlers.get(cmd)
         if fn is None:
-            return {"ok": False, "error": f"unknown command {msg['cmd']!r}; known: {sorted(self.handlers)}"}
+            return {"ok": False, "error": one_line(f"unknown command {short(cmd)}; known: {sorted(self.handlers)}")}
         args = msg.get("args", {})
         if not isinstance(args, dict):
-            return {"ok": False, "error": "field 'args' must be a map"}
+            return {"ok": False, "error": f"{cmd}: field 'args' must be a map, got {short(args)}"}
+        bad = [k for k in args if not isinstance(k, str)]
+        if bad:
+            return {"ok": False, "error": f"{cmd}: argument names must be strings, got {short(bad[0])}"}
         try:
-            return {"ok": True, **(fn(**args) or {})}
+            out = fn(**args)
+            if out is not None and not isinstance(out, dict):
+                raise TypeError(f"handler returned {type(out).__name__}, not a map")
+            return {"ok": True, **(out or {})}
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(p) for p in err["loc"])
-            return {"ok": False, "error": f"{msg['cmd']}: field '{field}': {err['msg']}"}
+            return {"ok": False, "error": one_line(f"{cmd}: field '{one_line(field, 80)}': {err['msg']}")}
         except Exception as e:  # a failed command must not take the process down
-            return {"ok": False, "error": f"{msg['cmd']}: {type(e).__name__}: {e}"}
+            return {"ok": False, "error": one_line(f"{cmd}: {type(e).__name__}: {e}")}
 
     def serve(self, max_seconds: float = 24 * 3600, idle: Callable[[], None] | None = None,
               idle_every_s: float = 0.01) -> None:
@@ -226,7 +285,8 @@ class RouterServer:
         """`admit(cmd, args)` runs on arrival (raise ValueError to refuse); `done(cmd, args)` after
         the command ran, whatever its outcome."""
         self.endpoint, self.name = endpoint, name
-        self.handlers = {cmd: validate_call(fn) for cmd, fn in handlers.items()}
+        self.handlers = {cmd: fn if hasattr(fn, "raw_function") else validate_call(fn)  # as RpcServer does
+                         for cmd, fn in handlers.items()}
         self.workers, self._admit, self._done = workers, admit, done
         self._work: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -275,21 +335,27 @@ class RouterServer:
             done.close()
 
     def _accept(self, payload: bytes, ident: bytes) -> dict | None:
+        """Queue a command, or the one-line error reply to send at once."""
         try:
-            msg = unpack(payload)
-        except Exception as e:
-            return {"ok": False, "id": None, "error": f"not a msgpack message: {e}"}
+            msg = unpack_request(payload)
+        except RequestError as e:
+            return {"ok": False, "id": None, "error": one_line(str(e))}
         rid = msg.get("id") if isinstance(msg, dict) else None
-        if not isinstance(msg, dict) or msg.get("cmd") not in self.handlers or not isinstance(msg.get("args", {}), dict):
-            return {"ok": False, "id": rid, "error": f"this socket serves {{'cmd': one of {sorted(self.handlers)}, "
-                                                     f"'args': {{...}}, 'id': ...}}"}
+        if type(rid) is not int:  # replies are matched by an integer id; echo nothing else
+            rid = None
+        cmd = msg.get("cmd") if isinstance(msg, dict) else None
+        if not isinstance(cmd, str) or cmd not in self.handlers or not isinstance(msg.get("args", {}), dict):
+            return {"ok": False, "id": rid, "error": one_line(f"this socket serves {{'cmd': one of "
+                                                              f"{sorted(self.handlers)}, 'args': {{...}}, 'id': ...}}")}
         args = msg.get("args", {})
+        if any(not isinstance(k, str) for k in args):
+            return {"ok": False, "id": rid, "error": f"{cmd}: argument names must be strings"}
         try:
             if self._admit is not None:
-                self._admit(msg["cmd"], args)
+                self._admit(cmd, args)
         except (ValueError, TypeError) as e:
-            return {"ok": False, "id": rid, "error": f"{msg['cmd']}: {e}"}
-        self._work.put((ident, rid, msg["cmd"], args))
+            return {"ok": False, "id": rid, "error": one_line(f"{cmd}: {e}")}
+        self._work.put((ident, rid, cmd, args))
         return None
 
     # -- workers: commands in arrival order ------------------------------------------------------
@@ -304,9 +370,10 @@ class RouterServer:
                     reply = {"ok": True, "id": rid, **(self.handlers[cmd](**args) or {})}
                 except ValidationError as e:
                     err = e.errors()[0]
-                    reply = {"ok": False, "id": rid, "error": f"{cmd}: field '{'.'.join(map(str, err['loc']))}': {err['msg']}"}
+                    field = one_line(".".join(map(str, err["loc"])), 80)
+                    reply = {"ok": False, "id": rid, "error": one_line(f"{cmd}: field '{field}': {err['msg']}")}
                 except Exception as e:  # a failed command must not take the server down
-                    reply = {"ok": False, "id": rid, "error": f"{cmd}: {type(e).__name__}: {e}"}
+                    reply = {"ok": False, "id": rid, "error": one_line(f"{cmd}: {type(e).__name__}: {e}")}
                 finally:
                     if self._done is not None:
                         self._done(cmd, args)

@@ -220,24 +220,48 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
     _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)")
 
 
-def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
-             out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0) -> None:
+def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path):
+    """Everything a run can check before it brings anything up; one line and exit 2 otherwise.
+    Returns (topology, modes, checkpoint, geometry)."""
+    import tempfile
+
     from dualpath.model import CheckpointError
-    from dualpath.workload import demo_workload, generate
+    from dualpath.model.checkpoint import preflight
     from testbed.conductor import MODES
-    from testbed.experiment import run_e2e, run_geometry, summarize, write_results
-    from testbed.report import e2e_lines
+    from testbed.experiment import run_geometry
 
     t = _topology(topology)
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in mode_list if m not in MODES]
     if bad or not mode_list:
-        _fail(f"--modes: unknown mode(s) {bad or modes!r}; choose from {','.join(MODES)}")
+        shown = ",".join(bad)[:80] if bad else repr(modes[:80])
+        _fail(f"--modes: unknown mode(s) {shown}; fix: choose from {','.join(MODES)}")
+    twice = sorted({m for m in mode_list if mode_list.count(m) > 1})
+    if twice:
+        _fail(f"--modes: {','.join(twice)} given more than once (each mode's results would overwrite the "
+              f"other's); fix: name each mode once")
     ckpt = checkpoint or _demo_checkpoint()
     try:
+        preflight(ckpt)  # config.json and every safetensors header, without loading a tensor
         geom = run_geometry(ckpt)
     except CheckpointError as e:
         _fail(str(e))
+    try:  # results are written only at the end: an --out that cannot take them must fail now
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".dpt-write-check-"):
+            pass
+    except OSError as e:
+        _fail(f"--out {out}: cannot write results there ({e.strerror or e}); fix: choose a writable directory")
+    return t, mode_list, ckpt, geom
+
+
+def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
+             out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0) -> None:
+    from dualpath.workload import demo_workload, generate
+    from testbed.experiment import run_e2e, summarize, write_results
+    from testbed.report import e2e_lines
+
+    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out)
     try:
         wl = generate(demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens))
     except ValueError as e:
@@ -255,7 +279,6 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
         results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport,
                           quota_s=quota_s,
                           buffer_bytes=int(spec.dram_buffer_gib * 2**30), hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
-    shutil.rmtree(scratch, ignore_errors=True)  # only reached on success: a failed run keeps its logs
     summary = summarize(results, wl, geom, t)
     summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,
                     "checkpoint": str(ckpt), "wall_s": round(time.monotonic() - t0, 1),
@@ -265,6 +288,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
     lines = e2e_lines(summary)
     (run_dir / "report.md").write_text(f"# dualpath run: {t.name}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(lines) + "\n```\n")
+    shutil.rmtree(scratch, ignore_errors=True)  # only once the results are written: a failed run keeps its logs
     for line in lines:
         typer.echo(line)
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s)")

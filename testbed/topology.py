@@ -3,15 +3,54 @@
 A topology names the paper's hardware in the paper's units (Gbit/s per NIC,
 GiB of memory) plus one `scale` factor that maps them onto what two cores can
 carry. Everything downstream reads the scaled numbers from `Topology`.
+
+Every error is one line naming the file, the field and the fix. Loading is
+bounded whatever the file holds: only a regular file is read (a FIFO would
+block, /dev/zero never ends), at most MAX_FILE_BYTES of it, as UTF-8; YAML is
+composed with at most MAX_DEPTH levels of nesting and MAX_NODES nodes once
+aliases are expanded (an alias bomb composes to a few nodes that expand to
+billions); a scalar has at most MAX_SCALAR_CHARS characters and an integer at
+most 18 digits; and no error message echoes more than a short repr.
+
+Bounds on what the emulation can carry (each with its reason):
+  * every shaped rate after `scale` (CNIC, SNIC, host port, storage NIC; the
+    disk rate too) lies in [MIN_BPS, MAX_BPS] = [1 Mbit/s, 100 Gbit/s]. Below
+    1 Mbit/s one 64 KiB Full Block of the demo model takes over half a second
+    per NIC, HTB's kv class (15/255 of the link) is under 60 kbit/s, and a rate
+    that rounds to 0 bit/s is no rate at all; above 100 Gbit/s HTB shapes
+    nothing on this host (one TCP flow over loopback moves 13 Gbit/s on the
+    2-core dev machine, a veth less), so the run would not emulate the rate the
+    file names;
+  * rates in paper units are finite and at most 10^6 Gbit/s, snic_ratio at most
+    100: anything larger is a typo, and inf/NaN would reach tc as garbage;
+  * dram_buffer_gib and hbm_gib_per_engine in [1/1024, 1024] GiB and at most
+    this machine's memory: each buffer is allocated whole by one process, so a
+    larger one fails at bring-up (a MemoryError after the namespaces exist);
+  * at most 99 nodes per role, 99 engines per node (interface names) and 256
+    engines in all (each is a process holding its own copy of the model), at
+    most 99 storage servers.
 """
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_FILE_BYTES = 64 << 10  # the shipped topologies are about 1.2 KiB
+MAX_DEPTH = 16  # a topology nests 2 levels (storage:, target:)
+MAX_NODES = 2000  # YAML nodes once aliases are expanded (a topology has about 40)
+MAX_SCALAR_CHARS = 4096  # the longest scalar is a description
+MAX_INT_DIGITS = 18  # every integer field is < 10^4; 18 digits still fits int64
+MIN_BPS = 1_000_000  # 1 Mbit/s, see the module docstring
+MAX_BPS = 100_000_000_000  # 100 Gbit/s
+MAX_GBPS = 1e6  # paper units
+MIN_GIB, MAX_GIB = 2.0**-10, 1024.0
+MAX_ENGINES = 256
 
 from dualpath.analysis.bounds import pd_bounds
 
@@ -24,16 +63,18 @@ class TopologyError(ValueError):
 _HINTS: dict[str, str] = {
     "name": "give the topology a short name, e.g. name: 1p1d",
     "scale": "set scale to a number in (0, 1], e.g. 0.0025 maps 400 Gbit/s to 1 Gbit/s",
-    "prefill_nodes": "set prefill_nodes to an integer >= 1",
-    "decode_nodes": "set decode_nodes to an integer >= 1",
-    "engines_per_node": "set engines_per_node (g) to an integer >= 1",
+    "prefill_nodes": "set prefill_nodes to an integer in [1, 99]",
+    "decode_nodes": "set decode_nodes to an integer in [1, 99]",
+    "engines_per_node": "set engines_per_node (g) to an integer in [1, 99]",
     "cnic_gbps": "set cnic_gbps (B, per engine, paper units) to a positive number, e.g. 400",
-    "snic_ratio": "set snic_ratio (s, SNIC = s*B per node) to a positive number, e.g. 0.25",
+    "snic_ratio": "set snic_ratio (s, SNIC = s*B per node) to a positive number up to 100, e.g. 0.25",
     "dram_gbps": "set dram_gbps (M, DRAM bandwidth per node, paper units) to a positive number",
-    "dram_buffer_gib": "set dram_buffer_gib (DRAM KV buffer per node) to a positive number",
-    "hbm_gib_per_engine": "set hbm_gib_per_engine to a positive number",
+    "dram_buffer_gib": "set dram_buffer_gib (DRAM KV buffer per node) to a number of GiB in [1/1024, 1024] "
+                       "that fits this machine's memory, e.g. 4",
+    "hbm_gib_per_engine": "set hbm_gib_per_engine to a number of GiB in [1/1024, 1024] that fits this "
+                          "machine's memory, e.g. 1",
     "storage": "give a storage section: storage: {servers: 1, disk_gbps: 200, nic_gbps: 400}",
-    "storage.servers": "set storage.servers to an integer >= 1",
+    "storage.servers": "set storage.servers to an integer in [1, 99]",
     "storage.disk_gbps": "set storage.disk_gbps to a positive number (paper units)",
     "storage.nic_gbps": "set storage.nic_gbps to a positive number (paper units)",
     "qos": "set qos to on or off",
@@ -42,24 +83,29 @@ _HINTS: dict[str, str] = {
     "target.gpu": "name a known GPU, e.g. h800 (see emulators/gpu/specs.py)",
     "target.model": "name a known target model, e.g. qwen2.5-32b (see emulators/gpu/models.py)",
     "mtu": "set mtu to an integer in [576, 9000]",
+    "description": f"keep description to at most {MAX_SCALAR_CHARS} characters",
 }
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+_Gbps = Field(gt=0, le=MAX_GBPS)
+_GiB = Field(ge=MIN_GIB, le=MAX_GIB)
 
 
 class StorageSpec(_Strict):
-    servers: int = Field(ge=1)
-    disk_gbps: float = Field(gt=0)
-    nic_gbps: float = Field(gt=0)
+    servers: int = Field(ge=1, le=99)
+    disk_gbps: float = _Gbps
+    nic_gbps: float = _Gbps
 
 
 class TargetSpec(_Strict):
     """The cluster being emulated: a GPU and the model it serves (DESIGN.md section 3a)."""
 
-    gpu: str = "h800"
-    model: str = "qwen2.5-32b"
+    gpu: str = Field(default="h800", max_length=64)
+    model: str = Field(default="qwen2.5-32b", max_length=64)
 
     @model_validator(mode="after")
     def _known(self) -> "TargetSpec":
@@ -75,16 +121,16 @@ class TargetSpec(_Strict):
 class TopologySpec(_Strict):
     """The file as written: paper units."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     scale: float = Field(gt=0, le=1)
-    prefill_nodes: int = Field(ge=1)
-    decode_nodes: int = Field(ge=1)
-    engines_per_node: int = Field(ge=1)
-    cnic_gbps: float = Field(gt=0)
-    snic_ratio: float = Field(gt=0)
-    dram_gbps: float = Field(gt=0)
-    dram_buffer_gib: float = Field(gt=0)
-    hbm_gib_per_engine: float = Field(gt=0)
+    prefill_nodes: int = Field(ge=1, le=99)
+    decode_nodes: int = Field(ge=1, le=99)
+    engines_per_node: int = Field(ge=1, le=99)
+    cnic_gbps: float = _Gbps
+    snic_ratio: float = Field(gt=0, le=100)
+    dram_gbps: float = _Gbps
+    dram_buffer_gib: float = _GiB
+    hbm_gib_per_engine: float = _GiB
     storage: StorageSpec
     qos: bool = True
     mtu: int = Field(default=1500, ge=576, le=9000)
@@ -92,14 +138,8 @@ class TopologySpec(_Strict):
     # (times the dilation); "cpu" keeps the host's own time, for runs that time the CPU.
     compute: Literal["emulated", "cpu"] = "emulated"
     target: TargetSpec = TargetSpec()
-    description: str = ""
-
-    @model_validator(mode="after")
-    def _fits_interface_names(self) -> "TopologySpec":
-        # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb.
-        if max(self.prefill_nodes, self.decode_nodes) > 99 or self.engines_per_node > 99:
-            raise ValueError("at most 99 nodes per role and 99 engines per node")
-        return self
+    description: str = Field(default="", max_length=MAX_SCALAR_CHARS)
+    # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb: hence <= 99 (le above).
 
 
 @dataclass(frozen=True)
@@ -213,42 +253,226 @@ def _fmt(bps: float) -> str:
     return f"{bps / 1e9:.3g} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:.3g} Mbit/s"
 
 
+class _Bounded(yaml.SafeLoader):
+    """SafeLoader whose composer refuses nesting deeper than MAX_DEPTH, naming the field."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._path: list[str] = []
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: D401 - PyYAML's hook
+        name = index.value if isinstance(index, yaml.ScalarNode) else (str(index) if index is not None else "")
+        self._path.append(_short_name(name))
+        try:
+            if len(self._path) > MAX_DEPTH + 1:  # +1: the document's root node
+                raise _LoadError(f"nesting deeper than {MAX_DEPTH} levels", ".".join(p for p in self._path[1:] if p),
+                                 "a topology nests at most two levels (storage:, target:); see topologies/1p1d.yaml",
+                                 self.peek_event().start_mark if self.check_event() else None)
+            return super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+
+
+class _LoadError(Exception):
+    def __init__(self, problem: str, field: str, fix: str, mark: Any = None) -> None:
+        super().__init__(problem)
+        self.problem, self.field, self.fix, self.mark = problem, field, fix, mark
+
+
+def _short_name(name: str, limit: int = 40) -> str:
+    name = "".join(c if c.isprintable() else "?" for c in str(name))
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+def _source(path: Path) -> str:
+    """The path for a one-line message (a name with a newline or escapes is shown as a repr)."""
+    text = str(path)
+    return text if text.isprintable() and len(text) <= 300 else repr(text)[:300]
+
+
+def _read(path: Path, src: str) -> str:
+    """At most MAX_FILE_BYTES of a regular file, as text. Never blocks on a FIFO or a device."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise TopologyError(f"{src}: cannot read topology file ({e.strerror}); fix: check the path") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket or other")
+            raise TopologyError(f"{src}: is {kind}, not a regular file; fix: give the path of a topology YAML file")
+        chunks, got = [], 0
+        while got <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise TopologyError(f"{src}: cannot read topology file ({e.strerror}); fix: check the path") from None
+    finally:
+        os.close(fd)
+    if got > MAX_FILE_BYTES:
+        raise TopologyError(f"{src}: larger than {MAX_FILE_BYTES // 1024} KiB, not a topology file; "
+                            "fix: give a topology YAML file (see topologies/1p1d.yaml)")
+    raw = b"".join(chunks)
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise TopologyError(f"{src}: line {line}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}); "
+                            "fix: save the file as UTF-8") from None
+
+
+def _check_tree(node: Any) -> None:
+    """Bound the composed tree before anything is constructed: nodes once aliases are expanded,
+    scalar lengths, integer sizes and duplicate keys. Raises _LoadError naming the field."""
+    sizes: dict[int, int] = {}
+    busy: set[int] = set()
+
+    def walk(n: Any, path: tuple[str, ...]) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        field = ".".join(p for p in path if p) or "(top level)"
+        if id(n) in busy:
+            raise _LoadError("an alias that refers to itself", field, "remove the recursive alias", n.start_mark)
+        busy.add(id(n))
+        total = 1
+        if isinstance(n, yaml.ScalarNode):
+            if n.tag == "tag:yaml.org,2002:int" and len(n.value) > MAX_INT_DIGITS:
+                digits = sum(c.isdigit() for c in n.value)
+                raise _LoadError(f"an integer of {digits} digits", field,
+                                 "use a number in the field's range (see topologies/1p1d.yaml)", n.start_mark)
+            if len(n.value) > MAX_SCALAR_CHARS:
+                raise _LoadError(f"a value of {len(n.value)} characters", field,
+                                 f"keep every value to at most {MAX_SCALAR_CHARS} characters", n.start_mark)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, child in enumerate(n.value):
+                total += walk(child, (*path, f"[{i}]"))
+                if total > MAX_NODES:
+                    break
+        elif isinstance(n, yaml.MappingNode):
+            seen: set[str] = set()
+            for k, v in n.value:
+                name = _short_name(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+                if isinstance(k, yaml.ScalarNode) and k.value in seen and name != "<<":
+                    raise _LoadError("appears twice", ".".join((*[p for p in path if p], name)),
+                                     "keep one of them", k.start_mark)
+                seen.add(k.value if isinstance(k, yaml.ScalarNode) else "")
+                total += walk(k, (*path, name)) + walk(v, (*path, name))
+                if total > MAX_NODES:
+                    break
+        busy.discard(id(n))
+        if total > MAX_NODES:
+            raise _LoadError(f"more than {MAX_NODES} YAML nodes once aliases are expanded", field,
+                             "write the topology out without nested aliases (see topologies/1p1d.yaml)",
+                             n.start_mark)
+        sizes[id(n)] = total
+        return total
+
+    walk(node, ())
+
+
+def _parse_yaml(text: str, src: str) -> Any:
+    loader = None
+    try:
+        loader = _Bounded(text)  # its reader already refuses unprintable characters
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_tree(node)
+        return loader.construct_document(node)
+    except _LoadError as e:
+        line = f" line {e.mark.line + 1}:" if e.mark is not None else ""
+        raise TopologyError(f"{src}:{line} field '{e.field}' has {e.problem}; fix: {e.fix}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" line {where.line + 1}:" if where else ""
+        problem = _short_name(getattr(e, "problem", None) or type(e).__name__, 80)
+        raise TopologyError(f"{src}:{line} not valid YAML ({problem}); fix: the YAML syntax "
+                            "(see topologies/1p1d.yaml)") from None
+    except (RecursionError, ValueError, OverflowError, TypeError) as e:  # a constructor refused a value
+        raise TopologyError(f"{src}: unusable YAML value ({_short_name(type(e).__name__ + ': ' + str(e), 80)}); "
+                            "fix: see topologies/1p1d.yaml for valid values") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
 def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology file; raise TopologyError with a one-line message."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise TopologyError(f"{path}: cannot read topology file ({e.strerror}); check the path") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        line = f" line {where.line + 1}" if where else ""
-        raise TopologyError(f"{path}:{line} is not valid YAML; fix the syntax") from None
-    return parse_topology(raw, source=str(path))
+    src = _source(path)
+    return parse_topology(_parse_yaml(_read(path, src), src), source=src)
 
 
-def parse_topology(raw: Any, source: str = "<topology>") -> Topology:
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (0 if unknown: no memory bound is then applied)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def parse_topology(raw: Any, source: str = "<topology>", memory_bytes: int | None = None) -> Topology:
+    """Validate a topology's fields; `memory_bytes` (default: this machine's) bounds the buffers."""
     if not isinstance(raw, dict):
-        raise TopologyError(f"{source}: expected a mapping of fields at the top level; see topologies/1p1d.yaml")
+        raise TopologyError(f"{source}: expected a mapping of fields at the top level; "
+                            "fix: see topologies/1p1d.yaml")
     try:
-        return Topology(spec=TopologySpec.model_validate(raw), source=source)
+        topo = Topology(spec=TopologySpec.model_validate(raw), source=source)
     except ValidationError as e:
         raise TopologyError(_one_line(e, source)) from None
+    _check_carried(topo, source, machine_memory_bytes() if memory_bytes is None else memory_bytes)
+    return topo
+
+
+def _check_carried(t: Topology, source: str, memory_bytes: int) -> None:
+    """What the emulation can carry: shaped rates after scale, engine count, buffer sizes."""
+    s = t.spec
+
+    def fail(field: str, problem: str, fix: str) -> None:
+        raise TopologyError(f"{source}: field '{field}' is invalid ({problem}); fix: {fix}")
+
+    scale_fix = "choose scale (or the rate) so every emulated NIC runs at 1 Mbit/s .. 100 Gbit/s"
+    for field, bps, what in (("cnic_gbps", t.cnic_bps, "the CNIC"), ("snic_ratio", t.snic_bps, "the SNIC (s*B)"),
+                             ("dram_gbps", t.host_port_bps, "the host port (min(g*B, M))"),
+                             ("storage.nic_gbps", t.storage_nic_bps, "the storage NIC"),
+                             ("storage.disk_gbps", t.disk_bps, "the disk")):
+        if not MIN_BPS <= bps <= MAX_BPS:
+            fail(field, f"at scale {s.scale:g} {what} would run at {_fmt(bps)}, outside "
+                        f"[{_fmt(MIN_BPS)}, {_fmt(MAX_BPS)}]", scale_fix)
+    engines = (s.prefill_nodes + s.decode_nodes) * s.engines_per_node
+    if engines > MAX_ENGINES:
+        fail("engines_per_node", f"{engines} engines in all, more than {MAX_ENGINES} processes this host can run",
+             "use fewer nodes or engines per node")
+    gib = 2.0**30
+    for field, v in (("dram_buffer_gib", s.dram_buffer_gib), ("hbm_gib_per_engine", s.hbm_gib_per_engine)):
+        if memory_bytes and v * gib > memory_bytes:
+            fail(field, f"{v:g} GiB is more than this machine's {memory_bytes / gib:.3g} GiB of memory",
+                 _HINTS[field])
 
 
 def _one_line(e: ValidationError, source: str) -> str:
     err = e.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    field = _short_name(".".join(str(p) for p in err["loc"]) or "(top level)", 60)
     kind = err["type"]
+    shown = _short_repr(err.get("input"))
     if kind == "missing":
         problem = "is missing"
     elif kind == "extra_forbidden":
-        return f"{source}: field '{field}' is not a topology field; remove it or fix its spelling"
+        return f"{source}: field '{field}' is not a topology field; fix: remove it or fix its spelling"
     elif kind.endswith("_type") or kind.endswith("_parsing"):
-        problem = f"has the wrong type ({type(err.get('input')).__name__} {err.get('input')!r})"
+        problem = f"has the wrong type ({type(err.get('input')).__name__} {shown})"
     else:
-        problem = f"is invalid ({err['msg'].lower()}; got {err.get('input')!r})"
+        problem = f"is invalid ({_short_name(err['msg'].lower(), 120)}; got {shown})"
     hint = _HINTS.get(field, "see topologies/1p1d.yaml for a valid example")
     return f"{source}: field '{field}' {problem}; fix: {hint}"
+
+
+def _short_repr(v: Any, limit: int = 40) -> str:
+    """A bounded repr, in bounded time, of any value YAML can make (a DAG of aliases included)."""
+    from dualpath.store.errors import short_repr
+
+    return short_repr(v, limit)

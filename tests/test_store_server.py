@@ -29,7 +29,7 @@ from dualpath.store import (
     chain_keys,
     server_index,
 )
-from dualpath.store.protocol import pack_frame
+from dualpath.store.protocol import pack_frame, recv_header
 from emulators.kvstore import storage as storage_mod
 from emulators.kvstore.blockfile import HEADER_SIZE
 from emulators.kvstore.server import StoreServer
@@ -281,7 +281,11 @@ def test_malformed_frames_cost_only_their_connection(client: StoreClient, server
         with socket.create_connection(server.address, timeout=10) as s:
             s.sendall(junk)
             s.shutdown(socket.SHUT_WR)
-            assert s.recv(1 << 16) == b""  # the server hangs up on this connection, and only on it
+            # The server says why in one error frame, then hangs up on this connection, and only on it.
+            reply = recv_header(s)
+            assert reply is not None and reply["ok"] is False and reply["err"] == "protocol" and reply["id"] == -1
+            assert "\n" not in reply["msg"] and len(reply["msg"]) < 200
+            assert s.recv(1 << 16) == b""
     reply = raw_request(server.address, {"op": "nope", "id": 3})
     assert reply["err"] == "bad_request"
     reply = raw_request(server.address, {"op": "put", "id": 4, "key": keys_for(1)[0], "n": 1 << 40, "crc": 0, "algo": 2})

@@ -10,18 +10,87 @@ landed). Its control socket keeps the short commands.
 """
 from __future__ import annotations
 
+import math
 import time
 import zlib
+
+from pydantic import ConfigDict, validate_call
 
 from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
 from dualpath.agents.common import jobs_port, load_port
 from dualpath.agents.leader import serve_state
 from dualpath.agents.read_queue import ReadQueueServer
-from dualpath.control import RouterServer, RpcServer
+from dualpath.control import RouterServer, RpcServer, short
 from dualpath.store.client import StoreClient
+from dualpath.store.keys import check_key
 from dualpath.transport.waiter import NotificationWaiter
 
 JOB_WORKERS = 64  # concurrent waits and flushes: more than the requests a node has in flight
+
+# Timeouts a caller may ask for: a flush waits for a decode engine's WRITEs to land, a
+# wait_notifs for its notifications; both hold this agent's one control socket meanwhile, so
+# they are finite and at most the conductor's own call timeout (120 s) with room to spare.
+MAX_TIMEOUT_S = 600.0
+MAX_NOTIFS = 1 << 16  # notifications per wait_notifs (one per written-back block)
+MAX_NAME_CHARS = 256  # a peer name or a notification message
+# The storage commands' arguments are taken as sent: strict types, so "0" or true is no offset and
+# [true] no CRC (pydantic's lax mode would convert them), then the checks below.
+strict = validate_call(config=ConfigDict(strict=True))
+
+
+def check_timeout(cmd: str, timeout_s: object, most: float = MAX_TIMEOUT_S) -> float:
+    """A finite timeout in (0, most] seconds, or ValueError naming the command and field.
+    NaN would never expire (every comparison with it is false) and block the control socket."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or not 0 < timeout_s <= most:
+        raise ValueError(f"{cmd}: field 'timeout_s' must be a number of seconds in (0, {most:g}], "
+                         f"got {short(timeout_s)}")
+    return float(timeout_s)
+
+
+def check_blocks(cmd: str, keys: object, offset: object, buffer_bytes: int, block_bytes: int) -> None:
+    """Keys of the store's format and consecutive slots [offset, offset + len(keys) * block)
+    inside the buffer; ValueError (BadKeyError) naming the command and field otherwise."""
+    if not isinstance(keys, list):
+        raise ValueError(f"{cmd}: field 'keys' must be a list of block keys, got {short(keys)}")
+    for i, k in enumerate(keys):
+        try:
+            check_key(k)
+        except ValueError as e:
+            raise ValueError(f"{cmd}: field 'keys' entry {i}: {e}") from None
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise ValueError(f"{cmd}: field 'offset' must be an integer, got {short(offset)}")
+    end = offset + len(keys) * block_bytes
+    if offset < 0 or end > buffer_bytes:
+        raise ValueError(f"{cmd}: field 'offset': {len(keys)} blocks of {block_bytes} bytes at {offset} "
+                         f"run outside the buffer of {buffer_bytes} bytes")
+
+
+def check_flush(keys: object, offset: object, crcs: object, timeout_s: object, buffer_bytes: int,
+                block_bytes: int) -> float:
+    """Every argument of `flush`; returns the timeout."""
+    check_blocks("flush", keys, offset, buffer_bytes, block_bytes)
+    if not isinstance(crcs, list) or len(crcs) != len(keys):  # type: ignore[arg-type]
+        n = len(crcs) if isinstance(crcs, list) else short(crcs)
+        raise ValueError(f"flush: field 'crcs' must hold one CRC-32 per key: {n} for {len(keys)} keys")  # type: ignore[arg-type]
+    for i, c in enumerate(crcs):
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < 1 << 32:
+            raise ValueError(f"flush: field 'crcs' entry {i} must be a CRC-32, an integer in [0, 2**32), got {short(c)}")
+    return check_timeout("flush", timeout_s)
+
+
+def check_wait_notifs(peer: object, msgs: object, timeout_s: object) -> float:
+    """Every argument of `wait_notifs`; returns the timeout (for all the messages together)."""
+    if not isinstance(peer, str) or not 0 < len(peer) <= MAX_NAME_CHARS:
+        raise ValueError(f"wait_notifs: field 'peer' must be an agent name of 1..{MAX_NAME_CHARS} characters, "
+                         f"got {short(peer)}")
+    if not isinstance(msgs, list) or len(msgs) > MAX_NOTIFS:
+        raise ValueError(f"wait_notifs: field 'msgs' must be a list of at most {MAX_NOTIFS} messages, got {short(msgs)}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, str) or not 0 < len(m) <= MAX_NAME_CHARS:
+            raise ValueError(f"wait_notifs: field 'msgs' entry {i} must be a message of 1..{MAX_NAME_CHARS} "
+                             f"characters, got {short(m)}")
+    return check_timeout("wait_notifs", timeout_s)
 
 
 def main() -> None:
@@ -40,14 +109,18 @@ def main() -> None:
     view = memoryview(buf)
     fb = args.block_bytes
 
+    def check_load(keys: list[str], offset: int) -> None:
+        check_blocks("load", keys, offset, len(buf), fb)
+
+    @strict
     def load(keys: list[str], offset: int) -> dict:
         """Read Full Blocks into consecutive slots of the buffer from `offset`."""
         t0 = time.perf_counter()
-        if offset < 0 or offset + len(keys) * fb > len(buf):
-            raise ValueError(f"load of {len(keys)} blocks at {offset} runs past the buffer")
+        check_load(keys, offset)
         store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
         return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0}
 
+    @strict
     def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:
         """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
 
@@ -55,7 +128,7 @@ def main() -> None:
         matches (a TCP WRITE can complete before its bytes are applied; see engines/decode.py).
         """
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + check_flush(keys, offset, crcs, timeout_s, len(buf), fb)
         for i, crc in enumerate(crcs):
             while zlib.crc32(view[offset + i * fb: offset + (i + 1) * fb]) != crc:
                 if time.monotonic() > deadline:
@@ -64,11 +137,13 @@ def main() -> None:
         new = writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
         return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0}
 
+    @strict
     def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
         """Block until `peer` has notified every message: NIXL delivers a transfer's
         notification after its data, so the WRITEs before them have landed."""
-        for m in msgs:
-            notifs.wait(peer, m, timeout_s)
+        deadline = time.monotonic() + check_wait_notifs(peer, msgs, timeout_s)
+        for m in msgs:  # one deadline for all: the timeout bounds the call, not each message
+            notifs.wait(peer, m, max(0.0, deadline - time.monotonic()))
         return {}
 
     def contains(keys: list[str]) -> dict:
@@ -76,7 +151,7 @@ def main() -> None:
 
     # Loads queue here, on the node, where read_q can count them all; the group leaders read
     # read_q from the state socket (the control socket may be busy with a long flush).
-    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load).start()
+    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load, check_load).start()
     serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes}})
 
     def read_log() -> dict:

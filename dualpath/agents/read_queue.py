@@ -13,17 +13,23 @@ import threading
 import time
 from typing import Callable
 
-from pydantic import ValidationError, validate_call
+from pydantic import ConfigDict, ValidationError, validate_call
 
-from dualpath.control import RouterServer
+from dualpath.control import RouterServer, one_line, short
 
 MAX_LOG = 200_000  # loads remembered between two drains
+MAX_LOAD_KEYS = 1 << 16  # blocks per load (a load fills consecutive slots of one buffer)
+MAX_KEY_CHARS = 64  # a store key is 32 hex digits
 
 
 class ReadQueueServer:
-    def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict]) -> None:
-        """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read)."""
+    def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict],
+                 check: Callable[[list[str], int], None] | None = None) -> None:
+        """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read);
+        `check(keys, offset)` validates a load's arguments on arrival (raise ValueError), so a
+        bad one is refused at once, never queued or counted in read_q."""
         self.endpoint, self.block_bytes = endpoint, block_bytes
+        self._check = check
         self._lock = threading.Lock()
         self._pending = 0
         self._accepted: dict[int, float] = {}  # id(args) of a queued load -> when it arrived
@@ -53,10 +59,12 @@ class ReadQueueServer:
 
     def _admit(self, cmd: str, args: dict) -> None:
         try:
-            keys, _ = _check_load(**args)
+            keys, offset = _check_load(**args)
         except ValidationError as e:
             err = e.errors()[0]
-            raise ValueError(f"field '{'.'.join(map(str, err['loc']))}': {err['msg']}") from None
+            raise ValueError(f"field '{one_line('.'.join(map(str, err['loc'])), 80)}': {err['msg']}") from None
+        if self._check is not None:
+            self._check(keys, offset)
         with self._lock:
             self._pending += len(keys) * self.block_bytes
             self._accepted[id(args)] = time.monotonic()
@@ -70,6 +78,14 @@ class ReadQueueServer:
                 self._log.append((t0, time.monotonic(), nbytes))
 
 
-@validate_call
+@validate_call(config=ConfigDict(strict=True))
 def _check_load(keys: list[str], offset: int) -> tuple[list[str], int]:
+    """A load's arguments by type (strict: no "5" for 5, no true for 1) and by size."""
+    if len(keys) > MAX_LOAD_KEYS:
+        raise ValueError(f"field 'keys': {len(keys)} keys, at most {MAX_LOAD_KEYS} per load")
+    for i, k in enumerate(keys):
+        if len(k) > MAX_KEY_CHARS:
+            raise ValueError(f"field 'keys': entry {i} is {short(k)}, not a block key")
+    if offset < 0:
+        raise ValueError(f"field 'offset' must be >= 0, got {offset}")
     return keys, offset

@@ -11,12 +11,21 @@ Both config dialects are read: transformers >= 5 (`rope_parameters`, `dtype`) an
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB
+# Upper bounds that keep a (mis)typed config finite: far above any model this testbed can run
+# (SmolLM2: vocab 49152, hidden 576, 30 layers, 9 heads), and the safetensors check catches the rest.
+_MAX = {"vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+        "num_hidden_layers": 1024, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+        "head_dim": 1 << 16, "max_position_embeddings": 1 << 30}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {
@@ -97,6 +106,16 @@ def _fail(where: str, field: str, why: str) -> CheckpointError:
     return CheckpointError(f"{where}: field '{field}' {why}")
 
 
+def _short(v: object, limit: int = 60) -> str:
+    """A bounded repr of a value read from a config file (never the whole of a huge one)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {len(str(v)) if v.bit_length() < 14000 else 'many'} digits"
+    if isinstance(v, (list, dict, str)) and len(v) > limit:
+        v = v[:limit] if not isinstance(v, dict) else dict(list(v.items())[:4])
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     """Validate a config.json dict. `where` is the file name used in error messages."""
     if not isinstance(d, dict):
@@ -104,16 +123,27 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     mt = d.get("model_type")
     if mt is None:
         raise _fail(where, "model_type", "is missing")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise _fail(where, "model_type", f"is {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
+        raise _fail(where, "model_type", f"is {_short(mt)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
     def req_int(key: str) -> int:
         if key not in d:
             raise _fail(where, key, "is missing")
-        v = d[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise _fail(where, key, f"must be a positive integer, got {v!r}")
+        return pos_int(key, d[key])
+
+    def pos_int(key: str, v: object) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= _MAX.get(key, 1 << 30):
+            raise _fail(where, key, f"must be a positive integer at most {_MAX.get(key, 1 << 30)}, got {_short(v)}")
         return v
+
+    def opt_num(key: str, default: float) -> float:
+        """A positive finite number; null or absent: the default."""
+        v = d.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise _fail(where, key, f"must be a positive finite number, got {_short(v)}")
+        return float(v)
 
     vocab = req_int("vocab_size")
     hidden = req_int("hidden_size")
@@ -121,27 +151,31 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     n_layer = req_int("num_hidden_layers")
     n_heads = req_int("num_attention_heads")
     n_kv = d.get("num_key_value_heads") or n_heads
-    if not isinstance(n_kv, int) or n_kv <= 0 or n_heads % n_kv:
-        raise _fail(where, "num_key_value_heads", f"must divide num_attention_heads={n_heads}, got {n_kv!r}")
+    if not isinstance(n_kv, int) or isinstance(n_kv, bool) or n_kv <= 0 or n_heads % n_kv:
+        raise _fail(where, "num_key_value_heads", f"must divide num_attention_heads={n_heads}, got {_short(n_kv)}")
     head_dim = d.get("head_dim") or hidden // n_heads
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-        raise _fail(where, "head_dim", f"must be a positive even integer, got {head_dim!r}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or not 0 < head_dim <= _MAX["head_dim"] \
+            or head_dim % 2:
+        raise _fail(where, "head_dim", f"must be a positive even integer, got {_short(head_dim)}")
     if d.get("head_dim") is None and hidden % n_heads:
         raise _fail(where, "hidden_size", f"{hidden} is not divisible by num_attention_heads={n_heads}")
 
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise _fail(where, "hidden_act", f"is {act!r}; only 'silu' (SwiGLU) is supported")
+        raise _fail(where, "hidden_act", f"is {_short(act)}; only 'silu' (SwiGLU) is supported")
     if d.get("quantization_config"):
         raise _fail(where, "quantization_config", "is set; quantized checkpoints are not supported")
-    if d.get("pretraining_tp", 1) not in (1, None):
-        raise _fail(where, "pretraining_tp", f"is {d['pretraining_tp']!r}; only 1 is supported")
+    if d.get("pretraining_tp", 1) not in (1, None) or isinstance(d.get("pretraining_tp"), bool):
+        raise _fail(where, "pretraining_tp", f"is {_short(d['pretraining_tp'])}; only 1 is supported")
     if mt == "qwen2":
         if d.get("use_sliding_window"):
             raise _fail(where, "use_sliding_window", "is true; sliding-window attention is not supported")
-    for lt in d.get("layer_types") or []:
+    layer_types = d.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise _fail(where, "layer_types", f"must be a list, got {_short(layer_types)}")
+    for lt in layer_types:
         if lt != "full_attention":
-            raise _fail(where, "layer_types", f"contains {lt!r}; only 'full_attention' is supported")
+            raise _fail(where, "layer_types", f"contains {_short(lt)}; only 'full_attention' is supported")
 
     rope = _parse_rope(d, where)
     if mt == "qwen2":
@@ -152,13 +186,22 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
 
     raw_dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     try:
+        if not isinstance(raw_dtype, str):
+            raise ValueError
         dtype = parse_dtype(raw_dtype)
     except ValueError:
         key = "dtype" if "dtype" in d else "torch_dtype"
-        raise _fail(where, key, f"is {raw_dtype!r}; supported: float32, float16, bfloat16") from None
+        raise _fail(where, key, f"is {_short(raw_dtype)}; supported: float32, float16, bfloat16") from None
 
     eos = d.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if len(eos_list) > 64 or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab
+                                     for e in eos_list):
+        raise _fail(where, "eos_token_id", f"must be a token id in [0, vocab_size) or a list of them, got {_short(eos)}")
+    eos_ids = tuple(eos_list)
+    rms_eps = opt_num("rms_norm_eps", 1e-6)
+    mpe = d.get("max_position_embeddings")
+    max_pos = 32768 if mpe is None else pos_int("max_position_embeddings", mpe)
 
     return ModelConfig(
         model_type=mt,
@@ -169,13 +212,13 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=rms_eps,
         rope=rope,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        max_position_embeddings=max_pos,
         dtype=dtype,
         eos_token_id=eos_ids,
     )
@@ -186,23 +229,23 @@ def _parse_rope(d: dict, where: str) -> RopeConfig:
     field = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        raise _fail(where, field, f"must be an object, got {params!r}")
+        raise _fail(where, field, f"must be an object, got {_short(params)}")
     if any(isinstance(v, dict) for v in params.values()):
         raise _fail(where, field, "is nested per layer type; not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise _fail(where, field, f"has rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _fail(where, field, f"has rope_type {_short(rope_type)}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     prf = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if prf not in (None, 1, 1.0):
-        raise _fail(where, "partial_rotary_factor", f"is {prf!r}; only 1.0 is supported")
+    if isinstance(prf, (list, dict)) or prf not in (None, 1, 1.0) or isinstance(prf, bool):
+        raise _fail(where, "partial_rotary_factor", f"is {_short(prf)}; only 1.0 is supported")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise _fail(where, "rope_theta", f"must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise _fail(where, "rope_theta", f"must be a positive number, got {_short(theta)}")
 
     def num(key: str, default: float) -> float:
         v = params.get(key, default)
-        if not isinstance(v, (int, float)) or v <= 0:
-            raise _fail(where, f"{field}.{key}", f"must be a positive number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise _fail(where, f"{field}.{key}", f"must be a positive number, got {_short(v)}")
         return float(v)
 
     if rope_type == "default":
@@ -215,7 +258,9 @@ def _parse_rope(d: dict, where: str) -> RopeConfig:
         if key not in params:
             raise _fail(where, f"{field}.{key}", "is missing (needed by rope_type 'llama3')")
     omp = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
-        or d.get("max_position_embeddings", 8192)
+        or d.get("max_position_embeddings") or 8192
+    if not isinstance(omp, int) or isinstance(omp, bool) or not 0 < omp <= 1 << 30:
+        raise _fail(where, "original_max_position_embeddings", f"must be a positive integer, got {_short(omp)}")
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",
@@ -235,7 +280,18 @@ def load_config(path: str | Path) -> ModelConfig:
     if not f.is_file():
         raise CheckpointError(f"{f}: missing (a checkpoint directory needs config.json)")
     try:
-        d = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+        fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{f}: not a regular file")
+            raw = os.pread(fd, MAX_CONFIG_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{f}: larger than {MAX_CONFIG_BYTES >> 20} MiB; not a config.json")
+        d = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, too-long integers
+        raise CheckpointError(f"{f}: not valid JSON ({' '.join(str(e).split())[:120]})") from None
+    except RecursionError:
+        raise CheckpointError(f"{f}: not valid JSON (nested too deeply)") from None
     return config_from_dict(d, where=str(f))

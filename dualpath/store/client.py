@@ -15,6 +15,7 @@ out and removed as it arrives (or when its request fails), so read_q is exact.
 """
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ from .checksum import ALGO_NAMES, HARDWARE_CRC32C, WRITE_ALGO, checksum, is_know
 from .errors import (
     BadRequestError,
     CorruptBlockError,
+    PeerClosedError,
     ProtocolError,
     StoreConnectionError,
     StoreError,
@@ -37,6 +39,7 @@ from .striping import group_by_server
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 MAX_HAS_KEYS = 1024  # the server's per-request limit
+MAX_VERIFY_KEYS = 128  # ... and with verify (every payload is read)
 WINDOW_BYTES = 32 << 20  # default bytes of outstanding get requests per server
 
 
@@ -59,6 +62,22 @@ class _Connection:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = s
         return self._sock
+
+    def begin(self) -> tuple[socket.socket, bool]:
+        """The socket for a new exchange, and whether it served earlier ones.
+
+        Servers close connections that sit idle (and may close an idle one to admit
+        another client): an idle socket that has become readable holds only that EOF,
+        so it is replaced here. One closed in the instant before a request goes out is
+        seen as a failed exchange on a reused socket, which callers retry once.
+        """
+        if self._sock is not None:
+            p = select.poll()
+            p.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if p.poll(0):
+                self.reset()
+        reused = self._sock is not None
+        return self.sock(), reused
 
     def reset(self) -> None:
         """Drop the connection: after any wire error the stream may be out of sync."""
@@ -84,19 +103,30 @@ class _Connection:
 
     def call(self, header: dict[str, Any]) -> dict[str, Any]:
         """One request without payload, one reply without payload."""
-        rid = self.new_id()
-        try:
-            self.sock().sendall(pack_frame({**header, "id": rid}))
-            reply = self.read_reply(rid)
-        except (OSError, ProtocolError) as exc:
-            self.reset()
-            raise _wire_error(self.address, exc) from None
-        except StoreError:
-            self.reset()
-            raise
+        for attempt in (0, 1):
+            reused = False
+            rid = self.new_id()
+            try:
+                sock, reused = self.begin()
+                sock.sendall(pack_frame({**header, "id": rid}))
+                reply = self.read_reply(rid)
+                break
+            except (OSError, ProtocolError) as exc:
+                self.reset()
+                if attempt == 0 and reused and _closed_by_peer(exc):
+                    continue  # the server had closed it while idle: once more on a new connection
+                raise _wire_error(self.address, exc) from None
+            except StoreError:
+                self.reset()
+                raise
         if not reply.get("ok"):
             raise error_from_reply(reply)
         return reply
+
+
+def _closed_by_peer(exc: BaseException) -> bool:
+    """A failure that means the server had closed the connection (not a reply, not a timeout)."""
+    return isinstance(exc, (PeerClosedError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
 
 
 def _wire_error(address: tuple[str, int], exc: BaseException) -> StoreError:
@@ -242,11 +272,18 @@ class StoreClient:
 
     # ---- writes ----------------------------------------------------------
     def put(self, key: str, data: Buffer) -> bool:
-        """Store one block durably. True if stored now, False if it already was."""
+        """Store one block durably. True if written now (new, or replacing a damaged copy),
+        False if an intact copy was already stored."""
         return self.put_many([(key, data)])[0]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """Store blocks durably (acknowledged = fsynced and visible), pipelined per server."""
+        """Store blocks durably (acknowledged = fsynced and visible), pipelined per server.
+        Per block: True if written now (new or repaired), False if already stored intact."""
+        return [s != "exists" for s in self.put_status(items)]
+
+    def put_status(self, items: Sequence[tuple[str, Buffer]]) -> list[str]:
+        """put_many, telling per block "new", "repaired" (a stored copy failed its checks and
+        these bytes replaced it) or "exists" (an intact copy was stored; nothing changed)."""
         views: list[memoryview] = []
         keys: list[str] = []
         for key, data in items:
@@ -255,18 +292,18 @@ class StoreClient:
             if len(view) != self.block_bytes:
                 raise BadRequestError(f"block {key} has {len(view)} bytes, store blocks are {self.block_bytes}", key=key)
             views.append(view)
-        new: list[bool] = [False] * len(keys)
+        status: list[str] = ["exists"] * len(keys)
         errors: dict[int, StoreError] = {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
             with conn.lock:
-                self._put_group(conn, positions, keys, views, new, errors)
+                self._put_group(conn, positions, keys, views, status, errors)
 
         self._run_groups(group_by_server(keys, self.n_servers), work)
         if errors:
             raise _first_error(errors, keys)
-        return new
+        return status
 
     def _put_group(
         self,
@@ -274,38 +311,44 @@ class StoreClient:
         positions: list[int],
         keys: list[str],
         views: list[memoryview],
-        new: list[bool],
+        status: list[str],
         errors: dict[int, StoreError],
     ) -> None:
-        ids: list[int] = []
-        recvd = 0
-        try:
-            sock = conn.sock()
-            for i, pos in enumerate(positions):
-                # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
-                while i - recvd >= self.window:
-                    self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
+        for attempt in (0, 1):
+            ids: list[int] = []
+            recvd = 0
+            reused = False
+            try:
+                sock, reused = conn.begin()
+                for i, pos in enumerate(positions):
+                    # Keep at most `window` puts unanswered; replies are tiny, so this never deadlocks.
+                    while i - recvd >= self.window:
+                        self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
+                        recvd += 1
+                    rid = conn.new_id()
+                    ids.append(rid)
+                    view = views[pos]
+                    head = {"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": checksum(view), "algo": WRITE_ALGO}
+                    sock.sendall(pack_frame(head))
+                    sock.sendall(view)
+                while recvd < len(positions):
+                    self._put_reply(conn, ids[recvd], positions[recvd], status, errors)
                     recvd += 1
-                rid = conn.new_id()
-                ids.append(rid)
-                view = views[pos]
-                head = {"op": "put", "id": rid, "key": keys[pos], "n": len(view), "crc": checksum(view), "algo": WRITE_ALGO}
-                sock.sendall(pack_frame(head))
-                sock.sendall(view)
-            while recvd < len(positions):
-                self._put_reply(conn, ids[recvd], positions[recvd], new, errors)
-                recvd += 1
-        except (OSError, StoreError) as exc:
-            conn.reset()
-            err = _wire_error(conn.address, exc)
-            for pos in positions[recvd:]:
-                errors.setdefault(pos, err)
+                return
+            except (OSError, StoreError) as exc:
+                conn.reset()
+                if attempt == 0 and reused and recvd == 0 and _closed_by_peer(exc):
+                    continue  # closed while idle before any reply: puts are idempotent, send them again
+                err = _wire_error(conn.address, exc)
+                for pos in positions[recvd:]:
+                    errors.setdefault(pos, err)
+                return
 
     @staticmethod
-    def _put_reply(conn: _Connection, rid: int, pos: int, new: list[bool], errors: dict[int, StoreError]) -> None:
+    def _put_reply(conn: _Connection, rid: int, pos: int, status: list[str], errors: dict[int, StoreError]) -> None:
         reply = conn.read_reply(rid)
         if reply.get("ok"):
-            new[pos] = bool(reply.get("new"))
+            status[pos] = "repaired" if reply.get("repaired") else "new" if reply.get("new") else "exists"
         else:
             errors[pos] = error_from_reply(reply)
 
@@ -322,7 +365,9 @@ class StoreClient:
         All blocks that can be read are read; then the error of the first failed
         key is raised (MissingBlockError, CorruptBlockError, ...) with every
         failure in its `.errors` dict (key -> error). Bytes at a failed offset
-        are unspecified.
+        are unspecified. A caller that counts blocks as hits treats a key in
+        `.errors` with MissingBlockError or CorruptBlockError as a miss (recompute
+        it, then put it again: a put of the right bytes repairs a damaged block).
         """
         keys = [check_key(k) for k in keys]
         mv = memoryview(out)
@@ -370,56 +415,65 @@ class StoreClient:
         ids: list[int] = []
         sent = recvd = 0
         try:
-            sock = conn.sock()
-            while recvd < len(positions):
-                # Refill the window in one send once half of it has been answered.
-                if sent < len(positions) and sent - recvd <= self.window // 2:
-                    # One mget frame per refill: the server reads ahead across the batch, and on
-                    # into this frame while it still sends the previous one.
-                    upto = min(len(positions), recvd + self.window, sent + MAX_MGET_KEYS)
-                    first = conn.new_id()
-                    for _ in range(sent + 1, upto):
-                        conn.new_id()
-                    ids.extend(range(first, first + upto - sent))
-                    sock.sendall(pack_frame({"op": "mget", "id": first, "keys": [keys[p] for p in positions[sent:upto]]}))
-                    sent = upto
-                pos = positions[recvd]
-                reply = conn.read_reply(ids[recvd])
-                if not reply.get("ok"):
-                    errors[pos] = error_from_reply(reply)
-                    self.read_q.done(bb)
-                    outstanding -= bb
-                    recvd += 1
-                    continue
-                n = reply.get("n")
-                if n != bb:
-                    raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
-                algo = reply.get("algo")
-                if not is_known_algo(algo):
-                    # Never read a block unchecked: a v1 server names no algo, a newer one may name one we lack.
-                    raise ProtocolError(f"block {keys[pos]}: reply names checksum algo {algo!r}, known: {ALGO_NAMES}")
-                # Payload straight into the caller's buffer.
-                view, crc, got = views[pos], 0, 0
-                while got < bb:
-                    k = sock.recv_into(view[got:], bb - got)
-                    if k == 0:
-                        raise ProtocolError(f"connection closed after {got} of {bb} payload bytes")
-                    if checker is None:  # inline: CRC each chunk while it is hot in cache
-                        crc = checksum(view[got : got + k], algo, crc)
-                    got += k
-                    outstanding -= k
-                    self.read_q.done(k)
-                if checker is None:
-                    if crc != reply.get("crc"):
-                        errors[pos] = _corrupt(keys[pos])
-                else:
-                    checker.add(pos, view, algo, reply.get("crc"))
-                recvd += 1
-        except (OSError, StoreError) as exc:
-            conn.reset()
-            err = _wire_error(conn.address, exc)
-            for p in positions[recvd:]:
-                errors.setdefault(p, err)
+            for attempt in (0, 1):
+                ids, sent, recvd = [], 0, 0
+                reused = replied = False
+                try:
+                    sock, reused = conn.begin()
+                    while recvd < len(positions):
+                        # Refill the window in one send once half of it has been answered.
+                        if sent < len(positions) and sent - recvd <= self.window // 2:
+                            # One mget frame per refill: the server reads ahead across the batch, and on
+                            # into this frame while it still sends the previous one.
+                            upto = min(len(positions), recvd + self.window, sent + MAX_MGET_KEYS)
+                            first = conn.new_id()
+                            for _ in range(sent + 1, upto):
+                                conn.new_id()
+                            ids.extend(range(first, first + upto - sent))
+                            sock.sendall(pack_frame({"op": "mget", "id": first, "keys": [keys[p] for p in positions[sent:upto]]}))
+                            sent = upto
+                        pos = positions[recvd]
+                        reply = conn.read_reply(ids[recvd])
+                        replied = True
+                        if not reply.get("ok"):
+                            errors[pos] = error_from_reply(reply)
+                            self.read_q.done(bb)
+                            outstanding -= bb
+                            recvd += 1
+                            continue
+                        n = reply.get("n")
+                        if n != bb:
+                            raise ProtocolError(f"block {keys[pos]}: server sent {n!r} bytes, store blocks are {bb}")
+                        algo = reply.get("algo")
+                        if not is_known_algo(algo):
+                            # Never read a block unchecked: a v1 server names no algo, a newer one may name one we lack.
+                            raise ProtocolError(f"block {keys[pos]}: reply names checksum algo {algo!r}, known: {ALGO_NAMES}")
+                        # Payload straight into the caller's buffer.
+                        view, crc, got = views[pos], 0, 0
+                        while got < bb:
+                            k = sock.recv_into(view[got:], bb - got)
+                            if k == 0:
+                                raise PeerClosedError(f"connection closed after {got} of {bb} payload bytes")
+                            if checker is None:  # inline: CRC each chunk while it is hot in cache
+                                crc = checksum(view[got : got + k], algo, crc)
+                            got += k
+                            outstanding -= k
+                            self.read_q.done(k)
+                        if checker is None:
+                            if crc != reply.get("crc"):
+                                errors[pos] = _corrupt(keys[pos])
+                        else:
+                            checker.add(pos, view, algo, reply.get("crc"))
+                        recvd += 1
+                    return
+                except (OSError, StoreError) as exc:
+                    conn.reset()
+                    if attempt == 0 and reused and not replied and _closed_by_peer(exc):
+                        continue  # closed while idle before any reply: ask again on a new connection
+                    err = _wire_error(conn.address, exc)
+                    for p in positions[recvd:]:
+                        errors.setdefault(p, err)
+                    return
         finally:
             if outstanding:
                 self.read_q.done(outstanding)  # given up on: no longer pending
@@ -428,17 +482,25 @@ class StoreClient:
                     errors.setdefault(p, _corrupt(keys[p]))
 
     # ---- metadata --------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Which of `keys` are stored (one round trip per server per 1024 keys)."""
+    def contains(self, keys: Sequence[str], verify: bool = False) -> list[bool]:
+        """Which of `keys` are stored intact (one round trip per server per 1024 keys).
+
+        The server checks each block's header and size (cheap: a damaged header or a
+        truncated file is not "stored"); `verify` also checks each payload's CRC on the
+        server, which reads every block (128 keys per round trip). Without it a block whose
+        payload bits flipped on disk still counts, and its read raises CorruptBlockError.
+        """
         keys = [check_key(k) for k in keys]
         have = [False] * len(keys)
+        per_call = MAX_VERIFY_KEYS if verify else MAX_HAS_KEYS
+        extra = {"verify": True} if verify else {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
-            for start in range(0, len(positions), MAX_HAS_KEYS):
-                chunk = positions[start : start + MAX_HAS_KEYS]
+            for start in range(0, len(positions), per_call):
+                chunk = positions[start : start + per_call]
                 with conn.lock:
-                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk]})
+                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk], **extra})
                 flags = reply.get("have")
                 if not isinstance(flags, list) or len(flags) != len(chunk):
                     raise ProtocolError("malformed has reply")

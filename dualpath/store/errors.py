@@ -7,6 +7,25 @@ from a broken block (CorruptBlockError) without parsing messages.
 """
 from __future__ import annotations
 
+import reprlib
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 4, 4, 4, 4
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """A repr of a (possibly malformed, huge or deeply nested) value for a one-line error
+    message: bounded in length and in the time it takes, whatever the value."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<integer of {value.bit_length()} bits>"  # repr() of a huge int is slow or refused
+    try:
+        r = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        r = f"<{type(value).__name__}>"
+    r = r.replace("\n", "\\n").replace("\r", "\\r")
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
 
 class StoreError(Exception):
     """Base of every store error. `key` names the block when one is involved."""
@@ -63,6 +82,10 @@ class ProtocolError(StoreError):
     """Malformed frame, unexpected EOF or a reply that does not match its request."""
 
     code = "protocol"
+
+
+class PeerClosedError(ProtocolError):
+    """The other side closed the connection (EOF) where a frame or payload was expected."""
 
 
 class StoreConnectionError(StoreError, ConnectionError):

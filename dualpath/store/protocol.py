@@ -12,12 +12,16 @@ Requests (client -> server), each with a per-connection integer `id`:
     {"op": "get", "id", "key"}
     {"op": "mget", "id", "keys": [...]}   # = gets with ids id, id+1, ...;
                                           # lets the server prefetch the batch
-    {"op": "has", "id", "keys": [...]}
+    {"op": "has", "id", "keys": [...], "verify": bool (optional)}
+                                          # header + size checked; with verify
+                                          # also each payload's CRC
     {"op": "delete", "id", "key"}
     {"op": "stat", "id"}
 Replies (server -> client), in request order, echoing `id`:
     ok:    {"id", "ok": True, ...}; a get reply carries "n", "crc" and "algo"
            and is followed by the n payload bytes, a put reply carries "new"
+           (stored now) and "repaired" (replaced a stored copy that failed
+           its checks); neither: an intact copy was already there
     error: {"id", "ok": False, "err": code, "msg": text, "key": key-or-None}
 
 The payload travels raw after the header so the server can sendfile() a block
@@ -34,17 +38,19 @@ from __future__ import annotations
 import select
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import PeerClosedError, ProtocolError
 
 PROTOCOL_VERSION = 2  # 2: checksums name their algorithm ("algo")
 _LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 * 1024  # a header is control only; anything bigger is an attack or a bug
 OPS = ("put", "get", "mget", "has", "delete", "stat")
-MAX_MGET_KEYS = 128  # server limit per mget frame (open files per connection)
+MAX_MGET_KEYS = 128  # server limit per mget frame
+MAX_ID = 1 << 62  # request ids are integers in [0, MAX_ID]; -1 is a reply to no request
 
 
 def pack_frame(header: dict[str, Any]) -> bytes:
@@ -54,36 +60,55 @@ def pack_frame(header: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` completely from the socket; EOF before that is a ProtocolError."""
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` completely from the socket; EOF before that is a ProtocolError.
+
+    With `deadline` (time.monotonic()), TimeoutError once it passes; each recv still waits
+    at most the socket's own timeout, which is restored afterwards.
+    """
     got, total = 0, len(view)
-    while got < total:
-        n = sock.recv_into(view[got:], total - got)
-        if n == 0:
-            raise ProtocolError(f"connection closed after {got} of {total} bytes")
-        got += n
+    own = sock.gettimeout() if deadline is not None else None
+    try:
+        while got < total:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{got} of {total} bytes before the deadline")
+                sock.settimeout(left if own is None else min(own, left))
+            n = sock.recv_into(view[got:], total - got)
+            if n == 0:
+                raise PeerClosedError(f"connection closed after {got} of {total} bytes")
+            got += n
+    finally:
+        if deadline is not None:
+            sock.settimeout(own)
 
 
-def recv_header(sock: socket.socket, *, eof_ok: bool = False) -> dict[str, Any] | None:
-    """Read one frame's header. Returns None on a clean EOF between frames if eof_ok."""
+def recv_header(sock: socket.socket, *, eof_ok: bool = False, deadline: float | None = None) -> dict[str, Any] | None:
+    """Read one frame's header. Returns None on a clean EOF between frames if eof_ok.
+
+    With `deadline`, the whole header must have arrived by then (TimeoutError otherwise).
+    """
     prefix = bytearray(_LEN.size)
     view = memoryview(prefix)
     n = sock.recv_into(view, len(prefix))
     if n == 0:
         if eof_ok:
             return None
-        raise ProtocolError("connection closed while waiting for a header")
+        raise PeerClosedError("connection closed while waiting for a header")
     if n < len(prefix):
-        recv_exact_into(sock, view[n:])
+        recv_exact_into(sock, view[n:], deadline)
     (length,) = _LEN.unpack(prefix)
     if length > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {length} exceeds {MAX_HEADER_BYTES}")
+    if length == 0:
+        raise ProtocolError("empty header (length 0)")
     body = bytearray(length)
-    recv_exact_into(sock, memoryview(body))
+    recv_exact_into(sock, memoryview(body), deadline)
     try:
         header = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable header: {exc}") from None
+        raise ProtocolError(f"undecodable header ({type(exc).__name__}): {str(exc)[:80]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     return header

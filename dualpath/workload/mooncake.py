@@ -26,11 +26,26 @@ ids, and a replayed model generates its own tokens, so turns cannot be re-chaine
 
 Bad input raises `TraceError` whose message is one line naming the file, the line number and the
 field; `python -m dualpath.workload.mooncake FILE` prints that line (no traceback) and exits 2.
+
+Bounds (whatever the file holds, reading stays bounded in time and memory): only a regular file
+is read (a FIFO would block, /dev/zero never ends), at most MAX_TRACE_BYTES of it before
+`max_requests` stops the read, and at most MAX_LINE_BYTES per line; JSON nested too deeply
+or with integers too long for Python is a TraceError like any other; input_length is at most
+MAX_INPUT_LENGTH tokens (the published traces peak near 128K; tokens() materializes the whole
+prompt), output_length at most MAX_OUTPUT_LENGTH, hash ids below 2**63 and timestamps at most
+MAX_TIMESTAMP_MS. The published traces are a few MB with lines of at most tens of KB.
+
+(`python -m dualpath.workload.mooncake` prints a runpy RuntimeWarning because the package's
+__init__ imports this module before runpy runs it as __main__: the module then exists twice, with
+two TraceError classes. main() only uses its own copy, so the warning is harmless; the fix is a
+lazy import in dualpath/workload/__init__.py, which is not this module's to change.)
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -42,6 +57,12 @@ import numpy as np
 from .trajectories import DEFAULT_VOCAB, RESERVED_TOKENS, Trajectory, Turn
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in the published Mooncake traces
+MAX_TRACE_BYTES = 256 << 20
+MAX_LINE_BYTES = 1 << 20
+MAX_INPUT_LENGTH = 1 << 21  # tokens of one prompt (2M; published traces peak near 128K)
+MAX_OUTPUT_LENGTH = 1 << 20
+MAX_TIMESTAMP_MS = 1e12  # about 31 years
+MAX_HASH_ID = (1 << 63) - 1
 REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 _TAG_HASH = 0x4D43  # "MC": tokens of a hash block
 _TAG_UNIQUE = 0x554E  # "UN": tokens of a prompt block with no hash id
@@ -99,16 +120,28 @@ def _is_int(v: object) -> bool:
 
 
 def _short(v: object) -> str:
-    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    if isinstance(v, str):
+        s = repr(v[:61])
+    elif isinstance(v, (list, dict)):
+        s = json.dumps(v[:12] if isinstance(v, list) else dict(list(v.items())[:6]))
+        s = s[:57] + "..." if len(s) > 60 or len(v) > 12 else s  # never the whole value
+    else:
+        s = repr(v)
     return s if len(s) <= 60 else s[:57] + "..."
 
 
 def parse_line(text: str, *, path: str | Path = "<trace>", line: int = 1) -> dict:
     """Validate one trace line; returns the four fields. Raises TraceError."""
+    if len(text) > MAX_LINE_BYTES:
+        raise TraceError(path, line, None, f"line longer than {MAX_LINE_BYTES} characters; not a trace line")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(path, line, None, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise TraceError(path, line, None, "not a trace line: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise TraceError(path, line, None, f"not a trace line: {str(e)[:80]}") from None
     if not isinstance(obj, dict):
         raise TraceError(path, line, None, f"expected a JSON object, got {type(obj).__name__}")
     for f in REQUIRED:
@@ -119,18 +152,22 @@ def parse_line(text: str, *, path: str | Path = "<trace>", line: int = 1) -> dic
         raise TraceError(path, line, "timestamp", f"expected a number of ms, got {_short(ts)}")
     if ts < 0:
         raise TraceError(path, line, "timestamp", f"must be >= 0, got {_short(ts)}")
-    for f, least in (("input_length", 1), ("output_length", 0)):
+    if ts > MAX_TIMESTAMP_MS:
+        raise TraceError(path, line, "timestamp", f"must be at most {MAX_TIMESTAMP_MS:g} ms, got {_short(ts)}")
+    for f, least, most in (("input_length", 1, MAX_INPUT_LENGTH), ("output_length", 0, MAX_OUTPUT_LENGTH)):
         v = obj[f]
         if not _is_int(v):
             raise TraceError(path, line, f, f"expected an integer, got {_short(v)}")
         if v < least:
             raise TraceError(path, line, f, f"must be >= {least}, got {v}")
+        if v > most:
+            raise TraceError(path, line, f, f"must be at most {most} tokens, got {_short(v)}")
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise TraceError(path, line, "hash_ids", f"expected a list of integers, got {_short(ids)}")
     for k, h in enumerate(ids):
-        if not _is_int(h) or h < 0:
-            raise TraceError(path, line, "hash_ids", f"entry {k} must be a non-negative integer, got {_short(h)}")
+        if not _is_int(h) or not 0 <= h <= MAX_HASH_ID:
+            raise TraceError(path, line, "hash_ids", f"entry {k} must be an integer in [0, 2**63), got {_short(h)}")
     return {f: obj[f] for f in REQUIRED}
 
 
@@ -143,12 +180,10 @@ def load_mooncake(path: str | Path, *, scale: int = 1, trace_block: int = MOONCA
     if vocab_size <= RESERVED_TOKENS:
         raise ValueError(f"vocab_size must be > {RESERVED_TOKENS}")
     block_tokens = trace_block // scale
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise TraceError(path, None, None, f"cannot read: {e.strerror or e}") from None
+    if max_requests is not None and (not _is_int(max_requests) or max_requests < 0):
+        raise ValueError(f"max_requests must be a non-negative integer, got {max_requests!r}")
     out: list[TraceRequest] = []
-    for lineno, bline in enumerate(raw.splitlines(), start=1):
+    for lineno, bline in _lines(path):
         if max_requests is not None and len(out) >= max_requests:
             break
         try:
@@ -171,6 +206,43 @@ def load_mooncake(path: str | Path, *, scale: int = 1, trace_block: int = MOONCA
     return out
 
 
+def _lines(path: str | Path) -> Iterable[tuple[int, bytes]]:
+    """(line number, line without its newline) of a regular file, bounded in bytes per line and
+    in all; read lazily, so max_requests stops the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise TraceError(path, None, None, f"cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise TraceError(path, None, None, f"cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or other"
+        raise TraceError(path, None, None, f"is {kind}, not a regular file; give the path of a JSONL trace")
+    with os.fdopen(fd, "rb") as f:
+        total = 0
+        lineno = 0
+        while True:
+            try:
+                bline = f.readline(MAX_LINE_BYTES + 2)
+            except OSError as e:
+                raise TraceError(path, lineno + 1, None, f"cannot read: {e.strerror or e}") from None
+            if not bline:
+                return
+            lineno += 1
+            total += len(bline)
+            if total > MAX_TRACE_BYTES:
+                raise TraceError(path, lineno, None, f"trace larger than {MAX_TRACE_BYTES >> 20} MiB; "
+                                 "split it, or read fewer requests (max_requests)")
+            body = bline.rstrip(b"\n").rstrip(b"\r")
+            if len(body) > MAX_LINE_BYTES:
+                raise TraceError(path, lineno, None, f"line longer than {MAX_LINE_BYTES} bytes; not a trace line")
+            yield lineno, body
+
+
 def to_trajectories(requests: Iterable[TraceRequest]) -> list[Trajectory]:
     """One single-turn trajectory per request, empty system prompt, arrival time kept. The
     generation length is max(1, output_length): a request always yields its first token."""
@@ -181,6 +253,8 @@ def to_trajectories(requests: Iterable[TraceRequest]) -> list[Trajectory]:
 def prefix_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> float:
     """Token-weighted hit rate with an infinite store: a request hits the longest run of its
     full `block_size`-token blocks (chained, so by prefix) that an earlier request already had."""
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     seen: set[int] = set()
     hit = total = 0
     for r in requests:
@@ -214,19 +288,43 @@ def summary(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m dualpath.workload.mooncake",
-                                 description="Validate a Mooncake JSONL trace and print its summary.")
+    def positive(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:40]!r}") from None
+        if not 1 <= v <= 1 << 20:
+            raise argparse.ArgumentTypeError(f"expected an integer in [1, {1 << 20}], got {v}")
+        return v
+
+    def count(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text[:40]!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+        return v
+
+    class OneLineParser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            print(f"error: {message}", file=sys.stderr)  # one line, no usage block
+            raise SystemExit(2)
+
+    ap = OneLineParser(prog="python -m dualpath.workload.mooncake",
+                       description="Validate a Mooncake JSONL trace and print its summary.")
     ap.add_argument("trace")
-    ap.add_argument("--scale", type=int, default=1, help="divide lengths by this (must divide 512)")
-    ap.add_argument("--block-size", type=int, default=16, help="block size for the prefix hit rate")
-    ap.add_argument("--max-requests", type=int, default=None)
+    ap.add_argument("--scale", type=positive, default=1, help="divide lengths by this (must divide 512)")
+    ap.add_argument("--block-size", type=positive, default=16, help="block size for the prefix hit rate")
+    ap.add_argument("--max-requests", type=count, default=None)
     a = ap.parse_args(argv)
     try:
         reqs = load_mooncake(a.trace, scale=a.scale, max_requests=a.max_requests)
+        out = summary(reqs, a.block_size)
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary(reqs, a.block_size), indent=2))
+    print(json.dumps(out, indent=2))
     return 0
 
 

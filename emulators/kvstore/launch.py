@@ -31,7 +31,10 @@ class ServerProcess:
         python: str = sys.executable,
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 30.0,
+        block_bytes: int = 0,
     ) -> None:
+        """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
+        a run passes its Full Block size so a put of any other size is refused."""
         self.root = Path(root)
         self.argv = [
             *argv_prefix,
@@ -44,6 +47,7 @@ class ServerProcess:
             str(self.root),
             "--capacity-bytes",
             str(capacity_bytes),
+            *(["--block-bytes", str(block_bytes)] if block_bytes else []),
             *extra_args,
         ]
         self.log_path = Path(log_path) if log_path is not None else self.root.parent / f"{self.root.name}.server.log"

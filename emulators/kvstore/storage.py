@@ -11,6 +11,21 @@ Crash safety rests on three rules:
   3. Every read checks the header (magic, key, header CRC, length vs file size);
      the payload checksum and its algorithm travel to the client, which checks
      it on every read.
+
+Damaged blocks (a bit flip on disk, a truncated file, a header that no longer
+checks) are repairable: a put of a key that is already stored first checks the
+stored file, header and payload CRC, and if it fails, the new (CRC-checked)
+bytes replace it with rename() (atomic: a reader sees the old file or the new
+one, never a mix) and the put reports "repaired". A put of a key whose stored
+block checks out stays "exists" and changes nothing (first writer wins).
+
+`has()` (the protocol's "has") checks the header and the file size, which costs
+one open, fstat and 64-byte pread per key (about 10 us) and catches truncation
+and header damage, but not a flipped payload bit. `has(key, verify=True)` also
+reads the payload and checks its CRC (a full read of the block: on demand only).
+A payload flip that a cheap has() still calls present is caught by the client's
+CRC check on every read (get_many raises CorruptBlockError naming the key, so
+a caller can treat it as a miss and recompute), and repaired by the next put.
 """
 from __future__ import annotations
 
@@ -19,6 +34,7 @@ import fcntl
 import itertools
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +47,7 @@ from dualpath.store.errors import (
     StoreError,
     StoreFullError,
     StoreIOError,
+    short_repr,
 )
 from dualpath.store.keys import check_key, is_valid_key
 
@@ -39,6 +56,7 @@ from .blockfile import HEADER_SIZE, TEMP_PREFIX, all_fanout_names, decode_header
 log = logging.getLogger(__name__)
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_VERIFY_CHUNK = 1 << 20  # scratch for a payload check when the caller lends none
 
 
 def fsync_dir(path: Path) -> None:
@@ -81,13 +99,17 @@ class BlockHandle:
 
 
 class BlockStore:
-    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, max_block_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, max_block_bytes: int,
+                 block_bytes: int = 0) -> None:
         if capacity_bytes <= 0 or max_block_bytes <= 0:
             raise ValueError("capacity_bytes and max_block_bytes must be positive")
+        if not 0 <= block_bytes <= max_block_bytes:
+            raise ValueError(f"block_bytes must be 0 (any size) or in [1, max_block_bytes={max_block_bytes}]")
         self.root = Path(root)
         self.blocks_dir = self.root / "blocks"
         self.capacity_bytes = capacity_bytes
         self.max_block_bytes = max_block_bytes
+        self.block_bytes = block_bytes  # 0: blocks of any size up to max_block_bytes
         self._lock = threading.Lock()
         self._used = 0  # bytes of published block files (headers included)
         self._reserved = 0  # bytes promised to puts in progress
@@ -145,8 +167,28 @@ class BlockStore:
     def path_of(self, key: str) -> Path:
         return fanout_dir(self.blocks_dir, check_key(key)) / key
 
-    def has(self, key: str) -> bool:
-        return self.path_of(key).is_file()
+    def has(self, key: str, verify: bool = False, scratch: memoryview | None = None) -> bool:
+        """True if the block is stored and its header and size check out; with `verify`,
+        its payload CRC too (reads the whole block). A damaged block is not "had"."""
+        return self.block_state(key, verify, scratch) == "ok"
+
+    def block_state(self, key: str, verify: bool = True, scratch: memoryview | None = None) -> str:
+        """"ok", "absent" or "corrupt" (damaged header, size or, with `verify`, payload; or
+        something that is not a regular file we wrote, e.g. a symlink)."""
+        try:
+            handle = self.check_block(key, self.open_fd(key))
+        except MissingBlockError:
+            return "absent"
+        except (CorruptBlockError, StoreIOError):
+            return "corrupt"
+        try:
+            if verify:
+                self.verify(handle, scratch if scratch is not None else memoryview(bytearray(_VERIFY_CHUNK)))
+            return "ok"
+        except (CorruptBlockError, StoreIOError):
+            return "corrupt"
+        finally:
+            handle.close()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -205,7 +247,10 @@ class BlockStore:
         """Check the payload checksum on the server (optional: the client always checks)."""
         crc, off, end = 0, handle.payload_offset, handle.payload_offset + handle.payload_len
         while off < end:
-            k = os.preadv(handle.fd, [scratch[: min(len(scratch), end - off)]], off)
+            try:
+                k = os.preadv(handle.fd, [scratch[: min(len(scratch), end - off)]], off)
+            except OSError as exc:
+                raise _os_error(exc, "reading", handle.key) from None
             if k <= 0:
                 raise CorruptBlockError(f"block {handle.key}: short read", key=handle.key)
             crc = checksum(scratch[:k], handle.algo, crc)
@@ -214,21 +259,30 @@ class BlockStore:
             raise CorruptBlockError(f"block {handle.key}: payload checksum mismatch", key=handle.key)
 
     # ---- writes ----------------------------------------------------------
-    def begin_put(self, key: str, payload_len: int, payload_crc: int) -> "PutTxn | None":
-        """A transaction to stream the payload into, or None if the block is already stored.
+    def begin_put(self, key: str, payload_len: int, payload_crc: int, scratch: memoryview | None = None) -> "PutTxn | None":
+        """A transaction to stream the payload into, or None if the block is already stored intact.
 
         `payload_crc` is the payload's WRITE_ALGO (CRC-32C) checksum: new blocks are never CRC-32.
+        If a file is stored under the key but fails its checks (header, size, payload CRC),
+        the transaction replaces it (txn.repair is True): the only way to mend a damaged block.
         """
         check_key(key)
-        if not 0 <= payload_len <= self.max_block_bytes:
-            raise BadRequestError(f"block size {payload_len} outside [0, {self.max_block_bytes}]", key=key)
+        self.check_size(payload_len, key)
         final = self.path_of(key)
-        if final.exists():
+        state = self.block_state(key, verify=True, scratch=scratch)
+        if state == "ok":
             self._make_durable(final.parent, key)
             return None
+        repair = state == "corrupt"
+        old = 0
+        if repair:
+            try:
+                old = _counted_size(final, key) or 0  # freed when the repair replaces it
+            except OSError:
+                old = 0
         need = HEADER_SIZE + payload_len
         with self._lock:
-            if self._used + self._reserved + need > self.capacity_bytes:
+            if self._used - old + self._reserved + need > self.capacity_bytes:
                 raise StoreFullError(
                     f"capacity exceeded storing block {key}: used {self._used} + in flight "
                     f"{self._reserved} + {need} > capacity {self.capacity_bytes} bytes",
@@ -236,36 +290,52 @@ class BlockStore:
                 )
             self._reserved += need
         try:
-            return PutTxn(self, key, payload_len, payload_crc, final)
+            return PutTxn(self, key, payload_len, payload_crc, final, repair=repair)
         except BaseException:
             self._release(need)
             raise
 
+    def check_size(self, payload_len: object, key: str | None = None) -> int:
+        """A put's payload length, or BadRequestError: 1..max_block_bytes, and exactly
+        block_bytes where the store was told its block size. A 0-byte block is never a block."""
+        if type(payload_len) is not int or not 1 <= payload_len <= self.max_block_bytes:
+            raise BadRequestError(f"block size {short_repr(payload_len)} outside [1, {self.max_block_bytes}] bytes", key=key)
+        if self.block_bytes and payload_len != self.block_bytes:
+            raise BadRequestError(f"block of {payload_len} bytes; this store holds blocks of exactly "
+                                  f"{self.block_bytes} bytes", key=key)
+        return payload_len
+
     def delete(self, key: str) -> bool:
         final = self.path_of(key)
-        try:
-            size = final.stat().st_size
-            os.unlink(final)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise _os_error(exc, "deleting", key) from None
-        self._make_durable(final.parent, key)
+        # Under the lock, like every change of a final name, so the accounting stays exact
+        # beside a concurrent repair (which replaces the file) of the same key.
         with self._lock:
-            self._used -= size
-            self._blocks -= 1
+            try:
+                st = os.lstat(final)
+                os.unlink(final)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise _os_error(exc, "deleting", key) from None
+            if stat.S_ISREG(st.st_mode):  # only regular files were counted as blocks
+                self._used -= st.st_size
+                self._blocks -= 1
+        self._make_durable(final.parent, key)
         return True
 
     def _release(self, reserved: int) -> None:
         with self._lock:
             self._reserved -= reserved
 
-    def _published(self, reserved: int, size: int | None) -> None:
+    def _published(self, reserved: int, size: int | None, replaced: int | None = None) -> None:
+        """Account for a put made visible: `size` bytes added (None: nothing added), replacing
+        a file of `replaced` bytes (None: nothing was replaced, a new block)."""
         with self._lock:
             self._reserved -= reserved
             if size is not None:
-                self._used += size
-                self._blocks += 1
+                self._used += size - (replaced or 0)
+                if replaced is None:
+                    self._blocks += 1
 
     def _make_durable(self, directory: Path, key: str) -> None:
         try:
@@ -280,8 +350,10 @@ class BlockStore:
 class PutTxn:
     """One put in progress: write() the payload in chunks, then commit() or abort()."""
 
-    def __init__(self, store: BlockStore, key: str, payload_len: int, payload_crc: int, final: Path) -> None:
+    def __init__(self, store: BlockStore, key: str, payload_len: int, payload_crc: int, final: Path,
+                 repair: bool = False) -> None:
         self.store, self.key, self.final = store, key, final
+        self.repair = repair  # replace a damaged file stored under the key
         self.payload_len, self.payload_crc = payload_len, payload_crc
         self.reserved = HEADER_SIZE + payload_len
         self.tmp = final.parent / store._temp_name(key)
@@ -314,8 +386,9 @@ class PutTxn:
         self._write_all(chunk)
         self.written += len(chunk)
 
-    def commit(self) -> bool:
-        """Make the block durable and visible. True if this put stored it, False if it already was."""
+    def commit(self) -> str:
+        """Make the block durable and visible: "new" if this put stored it, "repaired" if it
+        replaced a damaged file, "exists" if an intact one was stored meanwhile."""
         try:
             if self.written != self.payload_len:
                 raise BadRequestError(f"block {self.key}: {self.written} of {self.payload_len} bytes", key=self.key)
@@ -328,26 +401,55 @@ class PutTxn:
                 raise _os_error(exc, "syncing", self.key) from None
             os.close(self.fd)
             self.fd = -1
-            try:
-                os.link(self.tmp, self.final)
-                new = True
-            except FileExistsError:
-                new = False  # a concurrent put of the same key won; same bytes by construction
-            except OSError as exc:
-                raise _os_error(exc, "publishing", self.key) from None
+            status, replaced = self._publish()
         except BaseException:
             self.abort()
             raise
         # Visible from here on: account for it even if the steps below fail.
         self._done = True
-        self.store._published(self.reserved, HEADER_SIZE + self.payload_len if new else None)
-        try:
-            os.unlink(self.tmp)
-        except OSError as exc:  # harmless: startup removes temp names
-            log.warning("could not remove %s: %s", self.tmp, exc)
+        size = HEADER_SIZE + self.payload_len
+        if status == "new":
+            self.store._published(self.reserved, size)
+        elif status == "repaired":
+            self.store._published(self.reserved, size, replaced)  # replaced None: it was no block
+        else:
+            self.store._published(self.reserved, None)
+        if status != "repaired":  # rename() consumed the temp name
+            try:
+                os.unlink(self.tmp)
+            except OSError as exc:  # harmless: startup removes temp names
+                log.warning("could not remove %s: %s", self.tmp, exc)
         # Not acknowledged until the directory entry itself is on disk.
         self.store._make_durable(self.final.parent, self.key)
-        return new
+        return status
+
+    def _publish(self) -> tuple[str, int | None]:
+        """Give the temp file its final name: link() for a new block (never replaces: the
+        first writer wins), rename() over a damaged one. Returns the status and the size of
+        the file replaced."""
+        store = self.store
+        with store._lock:  # every change of a final name happens under the lock (see delete)
+            try:
+                os.link(self.tmp, self.final)
+                return "new", None
+            except FileExistsError:
+                if not self.repair:
+                    return "exists", None  # a concurrent put of the same key won; same bytes by construction
+            except OSError as exc:
+                raise _os_error(exc, "publishing", self.key) from None
+            try:
+                replaced = _counted_size(self.final, self.key)
+                os.rename(self.tmp, self.final)
+            except FileNotFoundError:  # deleted meanwhile: publish as new
+                try:
+                    os.link(self.tmp, self.final)
+                    return "new", None
+                except OSError as exc:
+                    raise _os_error(exc, "publishing", self.key) from None
+            except OSError as exc:
+                raise _os_error(exc, "replacing damaged", self.key) from None
+        log.warning("repaired block %s: replaced a damaged file", self.key)
+        return "repaired", replaced
 
     def abort(self) -> None:
         if self._done:
@@ -363,3 +465,22 @@ class PutTxn:
         except OSError as exc:  # leave it for the next startup's cleanup
             log.warning("could not remove %s: %s", self.tmp, exc)
         self.store._release(self.reserved)
+
+
+def _counted_size(path: Path, key: str) -> int | None:
+    """The bytes the accounting holds for the file at `path`: None for anything but a regular
+    file (never counted as a block). The size its header states where the header still
+    decodes: a file truncated behind the store's back is still counted at its written size."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return st.st_size
+    try:
+        return HEADER_SIZE + decode_header(os.pread(fd, HEADER_SIZE, 0), key).payload_len
+    except (OSError, CorruptBlockError):
+        return st.st_size
+    finally:
+        os.close(fd)

@@ -1,0 +1,184 @@
+"""The host agent refuses malformed flush / load / wait_notifs arguments at once, with one line
+naming the command and the field, and keeps serving.
+
+The argument checks are tested directly; one test runs a real host agent (its NIXL agent on
+the loopback interface, in the root namespace: no namespaces, no shaping) against a store
+server on loopback and sends it malformed requests over its control and load sockets.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from dualpath.agents.common import load_port
+from dualpath.agents.host import MAX_TIMEOUT_S, check_blocks, check_flush, check_timeout, check_wait_notifs
+from dualpath.control import pack, unpack
+from dualpath.store import StoreClient, chain_keys
+from tests.conftest import REPO
+
+FB = 4096
+BUF = 16 * FB
+KEYS = chain_keys(np.arange(16 * 64), 16, namespace=b"host-args")
+
+
+@pytest.mark.parametrize("args, field", [
+    ((KEYS[:2], 0, [1], 1.0), "crcs"),  # one CRC for two keys
+    ((KEYS[:1], 0, [1, 2], 1.0), "crcs"),
+    ((KEYS[:1], -FB, [1], 1.0), "offset"),  # a negative offset
+    ((KEYS[:1], BUF - FB + 1, [1], 1.0), "offset"),  # runs past the end
+    ((KEYS[:4], 13 * FB, [1] * 4, 1.0), "offset"),
+    ((KEYS[:1], 0, [1], math.nan), "timeout_s"),  # NaN never expires
+    ((KEYS[:1], 0, [1], math.inf), "timeout_s"),
+    ((KEYS[:1], 0, [1], -1.0), "timeout_s"),
+    ((KEYS[:1], 0, [1], 0.0), "timeout_s"),
+    ((KEYS[:1], 0, [1], 1e9), "timeout_s"),
+    ((KEYS[:1], 0, [1], True), "timeout_s"),
+    ((["../../etc/passwd"], 0, [1], 1.0), "keys"),
+    (([KEYS[0].upper()], 0, [1], 1.0), "keys"),
+    (([7], 0, [1], 1.0), "keys"),
+    ((KEYS[:1], 0, [-1], 1.0), "crcs"),
+    ((KEYS[:1], 0, [1 << 32], 1.0), "crcs"),
+    ((KEYS[:1], 0, [True], 1.0), "crcs"),
+    ((KEYS[:1], True, [1], 1.0), "offset"),
+])
+def test_flush_arguments_are_checked(args, field):
+    with pytest.raises(ValueError) as e:
+        check_flush(*args, BUF, FB)
+    msg = str(e.value)
+    assert msg.startswith("flush: field ") and f"'{field}'" in msg and "\n" not in msg and len(msg) < 300
+
+
+def test_valid_flush_load_and_wait_arguments_pass():
+    assert check_flush(KEYS[:16], 0, [0] * 16, 10.0, BUF, FB) == 10.0
+    assert check_flush([], BUF, [], 1, BUF, FB) == 1.0  # nothing to write, at the very end
+    check_blocks("load", KEYS[:1], BUF - FB, BUF, FB)
+    assert check_wait_notifs("p0e1", ["r1/wb0", "r1/wb1"], 60.0) == 60.0
+    assert check_timeout("x", MAX_TIMEOUT_S) == MAX_TIMEOUT_S
+
+
+@pytest.mark.parametrize("args, field", [
+    (("", ["m"], 1.0), "peer"),
+    (("x" * 10_000, ["m"], 1.0), "peer"),
+    ((None, ["m"], 1.0), "peer"),
+    (("p", "m", 1.0), "msgs"),
+    (("p", [""], 1.0), "msgs"),
+    (("p", [3], 1.0), "msgs"),
+    (("p", ["m"] * 70_000, 1.0), "msgs"),
+    (("p", ["m"], math.nan), "timeout_s"),
+    (("p", ["m"], -math.inf), "timeout_s"),
+])
+def test_wait_notifs_arguments_are_checked(args, field):
+    with pytest.raises(ValueError) as e:
+        check_wait_notifs(*args)
+    msg = str(e.value)
+    assert msg.startswith("wait_notifs: field ") and f"'{field}'" in msg and len(msg) < 300
+
+
+# ---- a real host agent on loopback ----------------------------------------
+def _free_port_block(n: int = 4) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    pytest.skip("no block of free ports")
+
+
+@pytest.fixture
+def host_agent(make_server, tmp_path: Path):
+    pytest.importorskip("nixl_cu12")
+    srv = make_server(block_bytes=FB)
+    port = _free_port_block()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    log = open(tmp_path / "host.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.agents.host", "--name", "h0", "--iface", "lo",
+                             "--ip", "127.0.0.1", "--control-port", str(port), "--buffer-bytes", str(BUF),
+                             "--block-bytes", str(FB), "--store", "%s:%d" % srv.address],
+                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith(b"ready"):
+            pytest.skip(f"host agent did not start on loopback: {(tmp_path / 'host.log').read_text()[-300:]}")
+        yield srv, port
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+def _rpc(sock: zmq.Socket, cmd: str, **args) -> tuple[dict, float]:
+    t0 = time.monotonic()
+    sock.send(pack({"cmd": cmd, "args": args}))
+    assert sock.poll(5000), f"no reply to {cmd}"
+    return unpack(sock.recv()), time.monotonic() - t0
+
+
+def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
+    srv, port = host_agent
+    with StoreClient([srv.address], FB) as c:
+        c.put(KEYS[0], bytes(range(256)) * (FB // 256))
+    ctx = zmq.Context()
+    ctl = ctx.socket(zmq.REQ)
+    ctl.setsockopt(zmq.LINGER, 0)
+    ctl.connect(f"tcp://127.0.0.1:{port}")
+    ld = ctx.socket(zmq.DEALER)
+    ld.setsockopt(zmq.LINGER, 0)
+    ld.connect(f"tcp://127.0.0.1:{load_port(port)}")
+    try:
+        bad = [
+            ("flush", {"keys": KEYS[:2], "offset": 0, "crcs": [1], "timeout_s": 1.0}, "crcs"),
+            ("flush", {"keys": KEYS[:1], "offset": -8, "crcs": [1], "timeout_s": 1.0}, "offset"),
+            ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [1], "timeout_s": math.nan}, "timeout_s"),
+            ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [1], "timeout_s": "inf"}, "timeout_s"),
+            ("wait_notifs", {"peer": "nobody", "msgs": ["x"], "timeout_s": math.nan}, "timeout_s"),
+            ("wait_notifs", {"peer": "nobody", "msgs": "x"}, "msgs"),
+            # Taken as sent: no "0" or true for an offset, no true for a CRC (pydantic's lax mode converts them).
+            ("flush", {"keys": KEYS[:1], "offset": "0", "crcs": [1], "timeout_s": 1.0}, "offset"),
+            ("flush", {"keys": KEYS[:1], "offset": True, "crcs": [1], "timeout_s": 1.0}, "offset"),
+            ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [True], "timeout_s": 1.0}, "crcs.0"),
+        ]
+        for cmd, args, field in bad:
+            reply, took = _rpc(ctl, cmd, **args)
+            assert reply["ok"] is False and f"field '{field}'" in reply["error"] and took < 2.0, (cmd, args, reply)
+        reply, _ = _rpc(ctl, "contains", keys=KEYS[:2])  # still serving
+        assert reply == {"ok": True, "present": [True, False]}
+        loads = [({"keys": KEYS[:1], "offset": -1}, "offset"), ({"keys": KEYS[:1], "offset": BUF}, "offset"),
+                 ({"keys": ["nope"], "offset": 0}, "keys"), ({"keys": KEYS[:1], "offset": "0"}, "offset"),
+                 ({"keys": KEYS[:1], "offset": True}, "offset")]
+        for i, (args, field) in enumerate(loads):
+            ld.send_multipart([b"", pack({"cmd": "load", "args": args, "id": i})])
+            assert ld.poll(2000), args
+            reply = unpack(ld.recv_multipart()[-1])
+            assert reply["ok"] is False and reply["id"] == i and f"'{field}'" in reply["error"], reply
+        ld.send_multipart([b"", pack({"cmd": "load", "args": {"keys": KEYS[:1], "offset": FB}, "id": 99})])
+        assert ld.poll(5000)
+        reply = unpack(ld.recv_multipart()[-1])
+        assert reply["ok"] is True and reply["bytes"] == FB and reply["id"] == 99
+        reply, _ = _rpc(ctl, "read_log")
+        assert reply["ok"] is True and len(reply["loads"]) == 1  # the refused loads were never queued
+    finally:
+        ctl.close()
+        ld.close()
+        ctx.term()
