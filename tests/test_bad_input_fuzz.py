@@ -404,11 +404,11 @@ def test_fuzz_control_messages():
                     if why is None and rpc.handle(good_rpc) != {"ok": True, "present": [False]}:
                         why = "no longer serves"
                     return why
-                reply = queue._accept(raw, b"ident")
+                reply = queue._server._accept(raw, b"ident")
                 if reply is None or reply.get("ok") is not False:
                     return f"accepted: {str(reply)[:100]}"
                 why = one_line(reply.get("error", ""), limit=300)
-                if why is None and queue._accept(good_load, b"ident") is not None:
+                if why is None and queue._server._accept(good_load, b"ident") is not None:
                     why = "no longer queues a valid load"
                 return why
 

@@ -100,7 +100,7 @@ def test_the_read_queue_refuses_malformed_loads_at_once():
                         check=lambda keys, offset: None)
     for name, payload in bombs():
         t0 = time.monotonic()
-        reply = q._accept(payload, b"id")
+        reply = q._server._accept(payload, b"id")
         assert reply is not None and reply["ok"] is False and time.monotonic() - t0 < 2.0, name
         assert "\n" not in reply["error"] and len(reply["error"]) <= 300
     for msg, words in [
@@ -115,9 +115,9 @@ def test_the_read_queue_refuses_malformed_loads_at_once():
     ]:
         if msg["id"] == {"a": [1] * 1000}:
             msg["args"] = []  # not a map: refused, and the odd id is not echoed back
-        reply = q._accept(pack(msg), b"id")
+        reply = q._server._accept(pack(msg), b"id")
         assert reply is not None and reply["ok"] is False and words in reply["error"], (msg, reply)
         assert reply["id"] in (None, msg["id"]) and not isinstance(reply["id"], dict)
-    assert q.pending_bytes == 0 and q._work.empty()
-    assert q._accept(pack({"cmd": "load", "args": {"keys": ["k"], "offset": 0}, "id": 9}), b"id") is None
+    assert q.pending_bytes == 0 and q._server._work.empty()
+    assert q._server._accept(pack({"cmd": "load", "args": {"keys": ["k"], "offset": 0}, "id": 9}), b"id") is None
     assert q.pending_bytes == 100

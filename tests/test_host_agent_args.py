@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from dualpath.agents.common import load_port
+from dualpath.agents.common import jobs_port, load_port
 from dualpath.agents.host import MAX_TIMEOUT_S, check_blocks, check_flush, check_timeout, check_wait_notifs
 from dualpath.control import pack, unpack
 from dualpath.store import StoreClient, chain_keys
@@ -146,6 +146,9 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
     ld = ctx.socket(zmq.DEALER)
     ld.setsockopt(zmq.LINGER, 0)
     ld.connect(f"tcp://127.0.0.1:{load_port(port)}")
+    jobs = ctx.socket(zmq.DEALER)  # flush and wait_notifs: many at once, answered by id
+    jobs.setsockopt(zmq.LINGER, 0)
+    jobs.connect(f"tcp://127.0.0.1:{jobs_port(port)}")
     try:
         bad = [
             ("flush", {"keys": KEYS[:2], "offset": 0, "crcs": [1], "timeout_s": 1.0}, "crcs"),
@@ -159,9 +162,13 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
             ("flush", {"keys": KEYS[:1], "offset": True, "crcs": [1], "timeout_s": 1.0}, "offset"),
             ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [True], "timeout_s": 1.0}, "crcs.0"),
         ]
-        for cmd, args, field in bad:
-            reply, took = _rpc(ctl, cmd, **args)
-            assert reply["ok"] is False and f"field '{field}'" in reply["error"] and took < 2.0, (cmd, args, reply)
+        for i, (cmd, args, field) in enumerate(bad):
+            t0 = time.monotonic()
+            jobs.send_multipart([b"", pack({"cmd": cmd, "args": args, "id": i})])
+            assert jobs.poll(5000), f"no reply to {cmd}"
+            reply, took = unpack(jobs.recv_multipart()[-1]), time.monotonic() - t0
+            assert reply["ok"] is False and reply["id"] == i and f"field '{field}'" in reply["error"] \
+                and took < 2.0, (cmd, args, reply)
         reply, _ = _rpc(ctl, "contains", keys=KEYS[:2])  # still serving
         assert reply == {"ok": True, "present": [True, False]}
         loads = [({"keys": KEYS[:1], "offset": -1}, "offset"), ({"keys": KEYS[:1], "offset": BUF}, "offset"),
@@ -181,4 +188,5 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
     finally:
         ctl.close()
         ld.close()
+        jobs.close()
         ctx.term()
