@@ -313,8 +313,23 @@ def main() -> None:
     from testbed.cluster import ProcessFailed
     from testbed.shell import CommandError
 
+    # typer (pinned) vendors click; its usage errors would print a multi-line box
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+
     try:
-        app()
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:  # bare `dualpath`: the help
+        typer.echo(e.ctx.get_help() if e.ctx else str(e))
+        sys.exit(2)
+    except UsageError as e:  # one line: the command and what was wrong
+        cmd = (e.ctx.command_path if e.ctx else "dualpath").replace("python -m testbed.cli", "dualpath")
+        typer.echo(f"{cmd}: {' '.join(e.format_message().split())} (see {cmd} --help)", err=True)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("dualpath: interrupted; torn down", err=True)
+        sys.exit(130)
     except KeyboardInterrupt:
         typer.echo("dualpath: interrupted; torn down", err=True)
         sys.exit(130)
@@ -322,6 +337,7 @@ def main() -> None:
         # Everything the run made is already torn down (context managers); say what failed.
         typer.echo(f"dualpath: error: {e}", err=True)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

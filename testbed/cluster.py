@@ -134,7 +134,8 @@ class Cluster:
             nic = ep.nic("storage_nic")
             sp = ServerProcess(self.run_dir / "store" / ep.name, self.store_capacity,
                                listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=ns_argv(ep.name, []),
-                               log_path=self.run_dir / "logs" / f"{ep.name}.log")
+                               log_path=self.run_dir / "logs" / f"{ep.name}.log",
+                               block_bytes=self.geom.full_block_bytes)  # refuses any other size
             self.stores.append(sp)
             sp.start()
             store_addrs.append(sp.address_str)

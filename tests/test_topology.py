@@ -105,3 +105,13 @@ def test_cli_topo_prints_target_and_dilation():
     r = dualpath("topo", str(REPO / "topologies" / "1p1d-io.yaml"))
     assert r.returncode == 0, r.stderr
     assert "target qwen2.5-32b on h800" in r.stdout and "one emulated second lasts 3.12 s here" in r.stdout
+
+
+@pytest.mark.parametrize("argv, words", [(("topo", "a", "b"), "unexpected extra argument"),
+                                         (("run", "--trajectories", "0"), "--trajectories"),
+                                         (("nope",), "No such command")])
+def test_cli_usage_errors_are_one_line(argv, words):
+    r = dualpath(*argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and lines[0].startswith("dualpath")

@@ -28,6 +28,14 @@ def jobs_port(control_port: int) -> int:
     return control_port + JOBS_PORT_OFFSET
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    n = int(text)
+    if n < 1:
+        raise ValueError(text)
+    return n
+
+
 def base_args(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--name", required=True, help="agent name (also the namespace name)")

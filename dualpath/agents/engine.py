@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from dualpath.agents.common import base_args, exit_on_sigterm, jobs_port, make_agent, wiring_handlers
+from dualpath.agents.common import base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, wiring_handlers
 from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
 
@@ -26,8 +26,8 @@ def main() -> None:
     ap = base_args(__doc__)
     ap.add_argument("--role", required=True, choices=["prefill", "decode"])
     ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--hbm-bytes", type=int, required=True)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--hbm-bytes", type=positive_int, required=True)
+    ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--timing", default="", help="JSON {dilation, prefill, decode}: the emulated clock "
                     "and the target's cost models; empty: the CPU's own time")
     args = ap.parse_args()
