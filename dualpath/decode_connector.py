@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from dualpath.buffers import ByteAllocator
-from dualpath.kv_check import stale
+from dualpath.kv_check import crc, stale
 from dualpath.kv_spans import Span, token_rows_descs
 from dualpath.layouts import BlockGeometry, build_full_block, unpack_layer
 
@@ -51,7 +50,7 @@ class DecodeStats:
     written_bytes: int = 0
     layer_hashes: list[str] = field(default_factory=list)  # of the prompt KV each layer loaded
     written_blocks: list[int] = field(default_factory=list)  # block indices, in write order
-    block_crcs: list[int] = field(default_factory=list)  # CRC32 of each written block
+    block_crcs: list[int] = field(default_factory=list)  # CRC-32C of each written block
 
 
 class DecodeConnector(ABC):
@@ -159,7 +158,7 @@ class BufferDecodeConnector(DecodeConnector):
                                             [(slot, p.wb.offset + j * fb, fb)], layer=f"wb{block}",
                                             notif=f"{p.request}/wb{block}"))
         self.stats.written_blocks.append(block)
-        self.stats.block_crcs.append(zlib.crc32(staging.numpy()))
+        self.stats.block_crcs.append(crc(staging.numpy()))
         self.stats.written_bytes += fb
 
     def poll_save(self) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from dualpath.buffers import ByteAllocator
+from dualpath.kv_check import crc as kv_crc
 from dualpath.kv_check import stale
 from dualpath.kv_spans import Span, token_rows_descs
 from dualpath.layouts import BlockGeometry, pack_rows, unpack_layer
@@ -66,7 +66,7 @@ class LoadPlan:
     reads: tuple[PastRead, ...]
     dst: Span | None  # the request's area in the DE buffer
     forward_past: int = 0
-    # CRC32 per layer of past rows [0, n_hit) as an earlier pass wrote them: a layer that
+    # CRC-32C per layer of past rows [0, n_hit) as an earlier pass wrote them: a layer that
     # does not match (a WRITE not fully applied yet) is read again, bounded by the timeout
     past_crcs: tuple[int, ...] | None = None
     tag: str = ""  # names this pass in its notifications: f"{request}{tag}/L{layer}"
@@ -95,7 +95,7 @@ class ConnectorStats:
     read_wait_s: float = 0.0
     peak_hit_bytes: int = 0  # hit KV resident in HBM at once
     layer_hashes: list[str] = field(default_factory=list)  # of the hit KV each layer loaded
-    # CRC32 per layer of rows [0, n_hit + n_miss) in token order, past and new: what the
+    # CRC-32C per layer of rows [0, n_hit + n_miss) in token order, past and new: what the
     # DE buffer holds once this pass's WRITEs land; the next reader checks it
     write_crcs: list[int] = field(default_factory=list)
     reread_bytes: int = 0  # past rows read again because an earlier pass's WRITE was late
@@ -228,10 +228,10 @@ class LayerwiseConnector(KVConnector):
         slot = self.slots.pop(layer, None)
         crc = 0
         if slot is not None:
-            crc = zlib.crc32(self._rows(slot[0], p.n_hit).numpy())
+            crc = kv_crc(self._rows(slot[0], p.n_hit).numpy())
             if p.forward_past:
                 parts.insert(0, token_rows_descs(g, layer, 0, p.forward_past, slot[0], p.dst.offset))
-        self.stats.write_crcs.append(zlib.crc32(self._rows(miss_off, p.n_miss).numpy(), crc))
+        self.stats.write_crcs.append(kv_crc(self._rows(miss_off, p.n_miss).numpy(), crc))
         descs = np.concatenate(parts)
         self.stats.written_bytes += int(descs[:, 2].sum())
         # One descriptor list per layer, one request. The notification lets the DE side know

@@ -116,10 +116,10 @@ class Cluster:
         return sum(c.sent_bytes + c.recv_bytes
                    for c in (*self.clients.values(), *self.loaders.values(), *self.jobs.values()))
 
-    def pids(self) -> list[int]:
-        """Every process of the run: the node processes, the storage servers and this one."""
-        return [os.getpid(), *(p.proc.pid for p in self.procs.values()),
-                *(s.proc.pid for s in self.stores if s.proc is not None)]
+    def pids(self) -> dict[int, str]:
+        """Every process of the run by pid: the node processes, the storage servers and this one."""
+        return {os.getpid(): "conductor", **{p.proc.pid: n for n, p in self.procs.items()},
+                **{s.proc.pid: f"store{i}" for i, s in enumerate(self.stores) if s.proc is not None}}
 
     def engines(self, role: str) -> list[str]:
         return [n for n, p in self.procs.items() if p.role == role]

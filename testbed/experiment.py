@@ -63,6 +63,7 @@ class ModeResult:
     samples: list = field(default_factory=list)  # the monitor's time series: CPU and every NIC's bytes
     links: list = field(default_factory=list)  # fidelity.LinkUse of every storage NIC
     cpu_own: float = 0.0  # of cpu_busy, the testbed's own processes
+    cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
 
@@ -106,12 +107,14 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
 
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
-    with Monitor(devs, interval_s=0.25, pids=cluster.pids()) as mon:
+    pids = cluster.pids()
+    with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon:
         jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.cpu_own = mon.cpu_own()
+    res.cpu_threads = mon.cpu_by_thread(pids)
     res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
     res.scheduler = decisions
@@ -293,7 +296,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                          "mean_decode_batch": round(sum(x["n"] for x in res.steps) / len(res.steps), 2) if res.steps else None,
                          "late_testbed_s": round(sum(b["timing"]["late_s"] for b in res.batches)
                                                  + sum(x["late_s"] for x in res.steps), 4),
-                         "storage_nics": [u.to_dict() for u in res.links]},
+                         "storage_nics": [u.to_dict() for u in res.links],
+                         "cpu_by_thread": res.cpu_threads},
         }
     _speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     return out

@@ -40,6 +40,19 @@ def _read_proc_jiffies(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def _read_threads(pid: int) -> dict[str, int]:
+    """utime + stime per thread name of a process (threads of one name added up)."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+    return out
+
+
 def _read_bytes(dev: str) -> tuple[int, int]:
     base = Path("/sys/class/net") / dev / "statistics"
     try:
@@ -75,7 +88,11 @@ class Monitor:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
+    def _threads(self) -> dict[tuple[int, str], int]:
+        return {(p, name): j for p in self.pids for name, j in _read_threads(p).items()}
+
     def __enter__(self) -> "Monitor":
+        self._threads0 = self._threads()
         self.sample()
         self._thread.start()
         return self
@@ -84,6 +101,15 @@ class Monitor:
         self._stop.set()
         self._thread.join(timeout=2)
         self.sample()
+        self._threads1 = self._threads()
+
+    def cpu_by_thread(self, names: dict[int, str], top: int = 12) -> list[dict]:
+        """The busiest threads of the watched processes over the run, as shares of all cores:
+        where the testbed's own CPU went ({process, thread, share}), busiest first."""
+        span = max(self.samples[-1].cpu_total - self.samples[0].cpu_total, 1)
+        rows = [{"process": names.get(p, str(p)), "thread": t, "share": round((j - self._threads0.get((p, t), 0)) / span, 4)}
+                for (p, t), j in self._threads1.items()]
+        return sorted((r for r in rows if r["share"] > 0), key=lambda r: -r["share"])[:top]
 
     def window(self, t0: float, t1: float) -> tuple[Sample, Sample]:
         inside = [s for s in self.samples if t0 <= s.t <= t1]

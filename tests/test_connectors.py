@@ -6,14 +6,13 @@ area in the DE buffer must then hold exactly the KV a full recomputation gives, 
 the PE sent must be what the path definitions say. A plan that put a block in the wrong buffer,
 or a connector that forwarded the wrong rows, fails here.
 """
-import zlib
-
 import numpy as np
 import pytest
 import torch
 
 from dualpath.buffers import ByteAllocator
 from dualpath.decode_connector import BufferDecodeConnector, DecodePlan
+from dualpath.kv_check import crc as kv_crc
 from dualpath.engines.prefill import prefill_batch
 from dualpath.kv_connector import BasicConnector, LayerwiseConnector, LoadPlan, PastRead
 from dualpath.kv_plan import Route, plan_request
@@ -138,7 +137,7 @@ def test_a_later_chunk_waits_out_a_write_that_landed_late(model, geom, ref):
 
 def test_a_past_that_never_matches_its_crc_is_an_error_not_silent(model, geom, ref):
     net, bufs, plan, lp, agent, off = _setup(geom, ref, "de", 0)
-    bad = tuple(zlib.crc32(_rows(geom, ref[0], layer, plan.n_hit)) ^ 1 for layer in range(geom.n_layer))
+    bad = tuple(kv_crc(_rows(geom, ref[0], layer, plan.n_hit)) ^ 1 for layer in range(geom.n_layer))
     chunk = LoadPlan("r", plan.n_hit, plan.n_miss, lp.reads, lp.dst, past_crcs=bad, tag="/c1")
     conn = LayerwiseConnector(agent, agent.local, ByteAllocator(BUF, "hbm"), geom, timeout_s=0.05)
     with pytest.raises(TimeoutError, match="never landed intact"):
@@ -153,7 +152,7 @@ def _decode_setup(geom, ref, stale_layer=None):
     de[4096:4096 + 7 * geom.full_block_bytes] = _blocks(geom, [(k, v) for k, v in
                                                               ((torch.cat([k, k[:12]]), torch.cat([v, v[:12]])) for k, v in kv)],
                                                         0, 7)  # 7 blocks spanned (tail padded)
-    crcs = tuple(zlib.crc32(_rows(geom, kv, layer, n)) for layer in range(geom.n_layer))
+    crcs = tuple(kv_crc(_rows(geom, kv, layer, n)) for layer in range(geom.n_layer))
     if stale_layer is not None:  # a layer whose WRITE from the PE has not landed yet
         a = 4096 + stale_layer * geom.layer_block_bytes
         good = de[a:a + 8].copy()
@@ -183,5 +182,5 @@ def test_the_decode_connector_loads_the_prompt_and_saves_full_blocks(geom, ref, 
     assert conn.poll_save()
     block = _blocks(geom, [(torch.cat([k, k[:12]]), torch.cat([v, v[:12]])) for k, v in kv], 6, 1)
     assert np.array_equal(de[200_000:200_000 + geom.full_block_bytes], block)
-    assert agent.notifs == [("d0", "r/wb6")] and conn.stats.block_crcs == [zlib.crc32(block)]
+    assert agent.notifs == [("d0", "r/wb6")] and conn.stats.block_crcs == [kv_crc(block)]
     conn.close()

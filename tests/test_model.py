@@ -150,19 +150,22 @@ def test_multi_turn_generate_with_past_equals_from_scratch(models):
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_a_batched_decode_step_is_bit_exact_with_decoding_each_alone(kind, models):
+    from dualpath.model import DecodeCache
+
     m = models[kind]
     lens = (1, 15, 16, 17, 40, 129, 300, 2)  # inside, at and across tile boundaries
     pasts = [m.prefill(tokens(n, seed=20 + i)).new_kv for i, n in enumerate(lens)]
+    caches = [DecodeCache(m, kv) for kv in pasts]
     toks = [int(t) for t in tokens(len(lens), seed=99)]
-    for _ in range(3):  # three steps: contexts grow, tiles fill
+    for _ in range(20):  # twenty steps: contexts grow, tiles fill and the caches grow a tile
         alone = [m.prefill([t], past_kv=p, last_only=True) for t, p in zip(toks, pasts)]
-        got, new_kv = m.decode_step(toks, pasts)
+        got = m.decode_step(toks, caches)
         assert got == [int(r.logits[-1].argmax()) for r in alone]
-        for kv, r in zip(new_kv, alone):
-            assert kv_equal(kv, r.new_kv)
-        pasts = [concat_kv(p, kv) for p, kv in zip(pasts, new_kv)]
+        pasts = [concat_kv(p, r.new_kv) for p, r in zip(pasts, alone)]
+        for cache, p in zip(caches, pasts):
+            assert cache.n == p[0][0].shape[0] and kv_equal(cache.kv(), p)
         toks = got
-    assert m.decode_step([], []) == ([], [])
+    assert m.decode_step([], []) == []
 
 
 def test_wrong_past_kv_changes_the_output(models):

@@ -48,14 +48,13 @@ def main() -> None:
     from dualpath.buffers import ByteAllocator
     from dualpath.engines.clock import DeviceClock
     from dualpath.layouts import BlockGeometry
-    from dualpath.model import Transformer
+    from dualpath.model import DecodeCache, Transformer
     from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 
     model = Transformer.from_pretrained(args.checkpoint)
     # One throwaway pass and step before serving: the first call of each kernel shape allocates
     # and builds tables, and on an emulated clock that one-time cost would overrun a real pass.
-    warm = model.prefill([0] * 64)
-    model.decode_step([0], [warm.new_kv])
+    model.decode_step([0], [DecodeCache(model, model.prefill([0] * 64).new_kv)])
     geom = BlockGeometry.from_config(model.config, block_size=args.block_size)
     agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm")
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")

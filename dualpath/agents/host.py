@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 
 from pydantic import ConfigDict, validate_call
 
@@ -20,6 +19,7 @@ from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wirin
 from dualpath.agents.common import jobs_port, load_port
 from dualpath.agents.leader import serve_state
 from dualpath.agents.read_queue import ReadQueueServer
+from dualpath.kv_check import stale
 from dualpath.control import RouterServer, RpcServer, short
 from dualpath.store.client import StoreClient
 from dualpath.store.keys import check_key
@@ -130,7 +130,7 @@ def main() -> None:
         t0 = time.perf_counter()
         deadline = time.monotonic() + check_flush(keys, offset, crcs, timeout_s, len(buf), fb)
         for i, crc in enumerate(crcs):
-            while zlib.crc32(view[offset + i * fb: offset + (i + 1) * fb]) != crc:
+            while stale(view, [(offset + i * fb, fb, crc)]):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
                 time.sleep(0.002)

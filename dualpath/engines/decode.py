@@ -17,12 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from dualpath.decode_connector import KV, DecodeConnector, DecodePlan
+from dualpath.decode_connector import DecodeConnector, DecodePlan
 from dualpath.engines.clock import DeviceClock, PassTiming
 from dualpath.layouts import BlockGeometry
-from dualpath.model import Transformer
+from dualpath.model import DecodeCache, Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
 
 
@@ -33,7 +31,7 @@ class DecodeJob:
     t_first_token: float  # when prefill produced it (the PE's clock: the same host clock)
     conn: DecodeConnector
     reply: object = None  # whatever the caller needs to answer when the job is done
-    kv: list[KV] | None = None
+    kv: DecodeCache | None = None  # the sequence's KV in HBM once loaded
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     next_block: int = 0  # the first Full Block not yet saved
@@ -41,7 +39,7 @@ class DecodeJob:
 
     @property
     def n_kv(self) -> int:
-        return self.kv[0][0].shape[0] if self.kv else 0
+        return self.kv.n if self.kv else 0
 
     @property
     def done_decoding(self) -> bool:
@@ -51,7 +49,7 @@ class DecodeJob:
 @dataclass
 class _Step:
     jobs: list[DecodeJob]
-    new: list[tuple[int, list[KV]]]  # per job: the token and its KV, published at `end`
+    new: list[int]  # per job: the token, published at `end` (its KV is already in the job's cache)
     start: float
     end: float
     timing: PassTiming
@@ -111,7 +109,7 @@ class DecodeBatcher:
             if kv is None:
                 still.append(job)
                 continue
-            job.kv = kv
+            job.kv = DecodeCache(self.model, kv)
             self._save_full_blocks(job)  # blocks the prompt itself completed
             (self.finishing if job.done_decoding or job.error else self.batch).append(job)
         self.loading = still
@@ -139,18 +137,16 @@ class DecodeBatcher:
         timing = PassTiming()
         t0 = self.clock.now()
         c0, u0 = time.perf_counter(), time.thread_time()
-        toks, kvs = self.model.decode_step([j.tokens[-1] for j in jobs], [j.kv for j in jobs])
-        new = list(zip(toks, kvs))
+        new = self.model.decode_step([j.tokens[-1] for j in jobs], [j.kv for j in jobs])
         timing.compute_wall_s = time.perf_counter() - c0
         timing.compute_cpu_s = time.thread_time() - u0
-        emulated = self.cost.step_cost([j.n_kv + 1 for j in jobs]) if self.clock.emulated else 0.0
+        emulated = self.cost.step_cost([j.n_kv for j in jobs]) if self.clock.emulated else 0.0  # keys incl. the new one
         end = self.clock.deadline(t0, emulated, timing)
         self._step = _Step(jobs, new, t0, end, timing)
 
     def _publish(self, step: _Step) -> None:
         t = step.end
-        for job, (tok, new_kv) in zip(step.jobs, step.new):
-            job.kv = [(torch.cat([k, nk]), torch.cat([v, nv])) for (k, v), (nk, nv) in zip(job.kv, new_kv)]
+        for job, tok in zip(step.jobs, step.new):
             job.tokens.append(tok)
             job.token_times.append(t)
             self._save_full_blocks(job)
@@ -163,7 +159,7 @@ class DecodeBatcher:
         bs = self.geom.block_size
         try:
             while (job.next_block + 1) * bs <= job.n_kv:
-                job.conn.save_block(job.next_block, job.kv)
+                job.conn.save_block(job.next_block, job.kv.kv())
                 job.next_block += 1
         except Exception as e:
             self._fail(job, e)

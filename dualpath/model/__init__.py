@@ -6,8 +6,8 @@ See transformer.py for the per-layer API and the KV shape convention
 from .config import (CheckpointError, ModelConfig, bytes_per_token_per_layer, dtype_size, load_config,
                      parse_dtype)
 from .registry import MODEL_NAMES, resolve_model
-from .transformer import KV, TILE, GenerateResult, PrefillResult, Transformer, concat_kv
+from .transformer import KV, TILE, DecodeCache, GenerateResult, PrefillResult, Transformer, concat_kv
 
 __all__ = ["CheckpointError", "ModelConfig", "bytes_per_token_per_layer", "dtype_size", "load_config",
            "parse_dtype", "MODEL_NAMES", "resolve_model", "KV", "TILE", "GenerateResult", "PrefillResult",
-           "Transformer", "concat_kv"]
+           "Transformer", "DecodeCache", "concat_kv"]

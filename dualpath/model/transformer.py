@@ -249,23 +249,27 @@ class Transformer:
         return out[off:off + n]
 
     @torch.no_grad()
-    def decode_step(self, tokens: Sequence[int], past_kv: Sequence[Sequence[KV]]) -> tuple[list[int], list[list[KV]]]:
-        """One decode step of a batch: sequence i feeds tokens[i] after its past_kv[i].
+    def decode_step(self, tokens: Sequence[int], caches: Sequence["DecodeCache"]) -> list[int]:
+        """One decode step of a batch: sequence i feeds tokens[i] after the KV in caches[i].
 
-        Returns each sequence's greedy next token and the fed token's KV per layer. Bit-identical
-        to `prefill([tokens[i]], past_kv[i], last_only=True)` for each sequence on its own: every
+        Returns each sequence's greedy next token; each cache gains the fed token's KV. Bit-identical
+        to `prefill([tokens[i]], past_kv, last_only=True)` for each sequence on its own: every
         sequence still runs on its own position-aligned tile (see the module docstring), and the
         tiles are only stacked for the row-wise ops (linear layers, norms, RoPE, SiLU), whose
         result for a row does not depend on the other rows (checked in tests/test_model.py;
-        attention stays per sequence). What batching saves is the per-op overhead of a CPU
-        decode step, which otherwise dominates a one-token step of a small model.
+        attention stays per sequence, on the cache's buffers, which have exactly the shape and
+        zeros layer_forward would build). What batching saves is the per-op overhead of a CPU
+        decode step, which otherwise dominates a one-token step of a small model; what the cache
+        saves is rebuilding and concatenating every sequence's past on every step.
         """
         c, T, B = self.config, self.tile, len(tokens)
         if B == 0:
-            return [], []
-        if len(past_kv) != B:
-            raise ValueError(f"{B} tokens but {len(past_kv)} pasts")
-        P = [self._check_past(*pk[0]) if pk else 0 for pk in past_kv]
+            return []
+        if len(caches) != B:
+            raise ValueError(f"{B} tokens but {len(caches)} caches")
+        P = [cache.n for cache in caches]
+        for cache in caches:
+            cache.make_room()
         rows = [p % T for p in P]  # the token's row in its tile
         tiles = [p // T for p in P]
         self._ensure_rope((max(tiles) + 1) * T)
@@ -276,7 +280,6 @@ class Transformer:
             x[i * T + rows[i]] = emb[i]
         cos = torch.cat([self._cos[t * T:(t + 1) * T] for t in tiles])[:, None, :]
         sin = torch.cat([self._sin[t * T:(t + 1) * T] for t in tiles])[:, None, :]
-        new_kv: list[list[KV]] = [[] for _ in range(B)]
         for l, w in enumerate(self.layers):
             h = self._rmsnorm(x, w["ln1"])
             q = F.linear(h, w["wq"], w["bq"]).view(B * T, c.n_heads, c.head_dim)
@@ -285,24 +288,18 @@ class Transformer:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             att = []
-            for i in range(B):  # attention per sequence, exactly as layer_forward's one tile
-                p, r, n = P[i], rows[i], (tiles[i] + 1) * T
-                kh = torch.zeros(c.n_kv_heads, c.head_dim, n, dtype=self.dtype, device=self.device)
-                vh = torch.zeros(c.n_kv_heads, n, c.head_dim, dtype=self.dtype, device=self.device)
-                if p:
-                    pk, pv = past_kv[i][l]
-                    kh[:, :, :p] = pk.permute(1, 2, 0)
-                    vh[:, :p] = pv.permute(1, 0, 2)
-                kr, vr = k[i * T + r:i * T + r + 1], v[i * T + r:i * T + r + 1]
-                kh[:, :, p:p + 1], vh[:, p:p + 1] = kr.permute(1, 2, 0), vr.permute(1, 0, 2)
+            for i, cache in enumerate(caches):  # attention per sequence, exactly as layer_forward's one tile
+                r = i * T + rows[i]
+                kh, vh = cache.write(l, k[r:r + 1], v[r:r + 1])
                 att.append(self._attend(q[i * T:(i + 1) * T], kh, vh))
-                new_kv[i].append((kr.clone(), vr.clone()))
             x = x + F.linear(torch.cat(att), w["wo"], w["bo"])
             h = self._rmsnorm(x, w["ln2"])
             g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
             x = x + F.linear(g, w["wd"], w["bd"])
+        for cache in caches:
+            cache.n += 1
         logits = F.linear(self._rmsnorm(x, self.norm_w), self.lm_head_w)
-        return [int(torch.argmax(logits[i * T + rows[i]])) for i in range(B)], new_kv
+        return [int(torch.argmax(logits[i * T + rows[i]])) for i in range(B)]
 
     # -- conveniences built on the per-layer API -----------------------------------------------
 
@@ -424,3 +421,64 @@ class Transformer:
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(c.n_kv_heads, g * T, L)
         o = torch.bmm(p, vh)  # [Hkv, g*T, D]
         return o.view(c.n_kv_heads, g, T, c.head_dim).permute(2, 0, 1, 3).reshape(T, c.n_heads * c.head_dim)
+
+
+class DecodeCache:
+    """One sequence's KV while it decodes, kept in the layout attention multiplies.
+
+    Per layer, keys [n_kv_heads, head_dim, L] and values [n_kv_heads, L, head_dim], contiguous,
+    L the end of the tile the next token falls in, zero past the tokens written: exactly the
+    buffers `layer_forward` builds for a one-token call, so attention on them gives the same
+    bits. They grow one tile at a time (a copy every `tile` tokens) instead of being rebuilt from
+    token-major KV on every step.
+    """
+
+    def __init__(self, model: Transformer, kv: Sequence[KV]):
+        self.model = model
+        self.n = kv[0][0].shape[0] if kv else 0
+        self.kh: list[torch.Tensor] = []
+        self.vh: list[torch.Tensor] = []
+        length = self._length(self.n)
+        for k, v in kv:
+            kh, vh = self._empty(length)
+            kh[:, :, :self.n] = k.permute(1, 2, 0)
+            vh[:, :self.n] = v.permute(1, 0, 2)
+            self.kh.append(kh)
+            self.vh.append(vh)
+        if not kv:
+            for _ in range(model.config.n_layer):
+                kh, vh = self._empty(length)
+                self.kh.append(kh)
+                self.vh.append(vh)
+
+    def _length(self, n: int) -> int:
+        T = self.model.tile
+        return (n // T + 1) * T  # the tile of position n, which the next token takes
+
+    def _empty(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, m = self.model.config, self.model
+        return (torch.zeros(c.n_kv_heads, c.head_dim, length, dtype=m.dtype, device=m.device),
+                torch.zeros(c.n_kv_heads, length, c.head_dim, dtype=m.dtype, device=m.device))
+
+    def make_room(self) -> None:
+        """Buffers long enough for position n (a new tile: one copy into larger zeros)."""
+        length = self._length(self.n)
+        if self.kh[0].shape[2] == length:
+            return
+        for l in range(len(self.kh)):
+            kh, vh = self._empty(length)
+            kh[:, :, :self.n] = self.kh[l][:, :, :self.n]
+            vh[:, :self.n] = self.vh[l][:, :self.n]
+            self.kh[l], self.vh[l] = kh, vh
+
+    def write(self, l: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put the new token's K, V ([1, n_kv_heads, head_dim]) of layer l at position n."""
+        p = self.n
+        self.kh[l][:, :, p:p + 1] = k.permute(1, 2, 0)
+        self.vh[l][:, p:p + 1] = v.permute(1, 0, 2)
+        return self.kh[l], self.vh[l]
+
+    def kv(self) -> list[KV]:
+        """Token-major (K, V) views per layer of the n tokens so far ([n, n_kv_heads, head_dim])."""
+        return [(kh[:, :, :self.n].permute(2, 0, 1), vh[:, :self.n].permute(1, 0, 2))
+                for kh, vh in zip(self.kh, self.vh)]
