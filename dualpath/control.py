@@ -207,7 +207,7 @@ class RpcClient:
 class AsyncRpcClient:
     """Many outstanding commands on one DEALER socket, replies matched by their "id" (asyncio).
 
-    For a server that queues work itself (dualpath.agents.read_queue): every request reaches it
+    For a server that queues work itself (dualpath.nodes.read_queue): every request reaches it
     at once instead of waiting here for the one before it.
     """
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from dualpath.agents.common import jobs_port, load_port
+from dualpath.nodes.common import jobs_port, load_port
 from dualpath.control import AsyncRpcClient, RpcClient
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric
 from testbed.shell import ns_argv, run
@@ -142,12 +142,12 @@ class Cluster:
         for ep in self.fab.endpoints:
             if ep.kind == "host":
                 nic = ep.nic("host_port")
-                self._spawn(ep, "host", "dualpath.agents.host", nic.dev, nic.ip, [
+                self._spawn(ep, "host", "dualpath.nodes.host", nic.dev, nic.ip, [
                     "--buffer-bytes", str(self.buffer_bytes), "--block-bytes", str(self.geom.full_block_bytes),
                     "--store", ",".join(store_addrs)])
             elif ep.kind == "engine":
                 nic = ep.nic("cnic")
-                self._spawn(ep, ep.role, "dualpath.agents.engine", nic.dev, nic.ip, [
+                self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
                     "--role", ep.role, "--checkpoint", str(self.checkpoint),
                     "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size),
                     *(["--timing", json.dumps(self.timing)] if self.timing else [])])

@@ -26,12 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from dualpath.buffers import ByteAllocator, OutOfSpace
+from dualpath.kv.buffers import ByteAllocator, OutOfSpace
 from dualpath.control import ControlError
-from dualpath.kv_connector import PastRead
-from dualpath.kv_plan import Area, Load, RequestPlan, match_prefix, plan_request
-from dualpath.kv_spans import Span, kv_bytes
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.connector import PastRead
+from dualpath.kv.plan import Area, Load, RequestPlan, match_prefix, plan_request
+from dualpath.kv.spans import Span, kv_bytes
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.scheduler.batching import PrefillQueue
 from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.records import Request

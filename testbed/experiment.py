@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dualpath.accounting import RequestBytes, compare, expected_totals, request_bytes
-from dualpath.kv_spans import kv_bytes
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.spans import kv_bytes
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import load_config
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel
@@ -146,7 +146,7 @@ def _time_series(mon: Monitor, fab: Fabric, t0: float) -> list[dict]:
 
 # What each step of the ablation ladder changes, one thing at a time: every mode runs through the
 # scheduler (Algorithm 1 for PEs, the two DE phases), and the modes differ in the read path it
-# picks and in the connector (dualpath/kv_plan.py): basic reads on the PE side and loads every
+# picks and in the connector (dualpath/kv/plan.py): basic reads on the PE side and loads every
 # layer before computing; layerwise overlaps each layer's load with the previous one's compute;
 # dualpath-rr reads on both sides in turn; dualpath on the side with the shorter read queue;
 # dualpath-split on both at once; oracle skips all I/O (dualpath's decisions, nothing moved).

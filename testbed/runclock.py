@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 from testbed.topology import Topology
 

@@ -17,13 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from dualpath.agents.common import state_port
+from dualpath.nodes.common import state_port
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.messages import RequestMsg
 from dualpath.scheduler.records import Assignment, Request
 from dualpath.scheduler.service import SchedulerClient, SchedulerService
 from testbed.cluster import CONTROL_PORT, Cluster
-from dualpath.kv_plan import Route
+from dualpath.kv.plan import Route
 
 SERVICE_MAX_S = 6 * 3600  # the serving loop's own bound; a run stops it long before
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpath.layouts import BlockGeometry, pack_rows
+from dualpath.kv.layouts import BlockGeometry, pack_rows
 from dualpath.model import Transformer
 
 

@@ -364,15 +364,15 @@ def control_cases(rng: random.Random) -> list[tuple[str, str, bytes]]:
 
 
 def test_fuzz_control_messages():
-    from dualpath.agents.host import check_blocks, check_flush, check_wait_notifs
-    from dualpath.agents.read_queue import ReadQueueServer
+    from dualpath.nodes.host import check_blocks, check_flush, check_wait_notifs
+    from dualpath.nodes.read_queue import ReadQueueServer
     from dualpath.control import RpcServer, pack
     from dualpath.store.keys import check_key
 
     buf, fb = 64 * BB, BB
 
     # The host agent's commands with its own argument checks (the real ones need a NIXL agent).
-    from dualpath.agents.host import strict
+    from dualpath.nodes.host import strict
 
     @strict
     def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:

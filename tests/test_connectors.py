@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath.buffers import ByteAllocator
-from dualpath.decode_connector import BufferDecodeConnector, DecodePlan
-from dualpath.kv_check import crc as kv_crc
+from dualpath.kv.buffers import ByteAllocator
+from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan
+from dualpath.kv.check import crc as kv_crc
 from dualpath.engines.prefill import prefill_batch
-from dualpath.kv_connector import BasicConnector, LayerwiseConnector, LoadPlan, PastRead
-from dualpath.kv_plan import Route, plan_request
-from dualpath.kv_spans import Span
-from dualpath.layouts import BlockGeometry, build_full_block, pack_rows
+from dualpath.kv.connector import BasicConnector, LayerwiseConnector, LoadPlan, PastRead
+from dualpath.kv.plan import Route, plan_request
+from dualpath.kv.spans import Span
+from dualpath.kv.layouts import BlockGeometry, build_full_block, pack_rows
 from dualpath.model import Transformer
 from dualpath.model.tiny import DEMO, make_tiny_checkpoint
 from dualpath.store.keys import chain_keys

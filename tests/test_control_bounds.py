@@ -12,7 +12,7 @@ import tracemalloc
 import msgpack
 import pytest
 
-from dualpath.agents.read_queue import ReadQueueServer
+from dualpath.nodes.read_queue import ReadQueueServer
 from dualpath.control import MAX_REQUEST_ITEMS, RpcServer, pack
 
 

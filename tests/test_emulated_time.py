@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath.buffers import ByteAllocator
-from dualpath.decode_connector import DecodePlan, OracleDecodeConnector
+from dualpath.kv.buffers import ByteAllocator
+from dualpath.kv.decode_connector import DecodePlan, OracleDecodeConnector
 from dualpath.engines.clock import LATE_FLOOR_S, DeviceClock, PassTiming
 from dualpath.engines.decode import DecodeBatcher, DecodeJob
 from dualpath.engines.prefill import prefill_batch
-from dualpath.kv_connector import LoadPlan, OracleConnector, PastRead
-from dualpath.kv_spans import Span
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.connector import LoadPlan, OracleConnector, PastRead
+from dualpath.kv.spans import Span
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.model.tiny import DEMO, make_tiny_checkpoint
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel

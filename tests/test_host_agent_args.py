@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import zmq
 
-from dualpath.agents.common import jobs_port, load_port
-from dualpath.agents.host import MAX_TIMEOUT_S, check_blocks, check_flush, check_timeout, check_wait_notifs
+from dualpath.nodes.common import jobs_port, load_port
+from dualpath.nodes.host import MAX_TIMEOUT_S, check_blocks, check_flush, check_timeout, check_wait_notifs
 from dualpath.control import pack, unpack
 from dualpath.store import StoreClient, chain_keys
 from tests.conftest import REPO
@@ -113,7 +113,7 @@ def host_agent(make_server, tmp_path: Path):
     port = _free_port_block()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     log = open(tmp_path / "host.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.agents.host", "--name", "h0", "--iface", "lo",
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.nodes.host", "--name", "h0", "--iface", "lo",
                              "--ip", "127.0.0.1", "--control-port", str(port), "--buffer-bytes", str(BUF),
                              "--block-bytes", str(FB), "--store", "%s:%d" % srv.address],
                             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=REPO)

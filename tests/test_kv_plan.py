@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from dualpath.kv_plan import Route, match_prefix, plan_request
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.plan import Route, match_prefix, plan_request
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.store.keys import chain_keys
 
 G = BlockGeometry(n_layer=4, block_size=16, n_kv_heads=1, head_dim=8, dtype=torch.float32)

@@ -8,10 +8,10 @@ import torch
 import zmq
 from hypothesis import given, settings, strategies as st
 
-from dualpath.buffers import ByteAllocator, OutOfSpace
+from dualpath.kv.buffers import ByteAllocator, OutOfSpace
 from dualpath.control import ControlError, RpcClient, pack, unpack
-from dualpath.kv_spans import token_rows_descs
-from dualpath.layouts import BlockGeometry, full_block_view, pack_rows
+from dualpath.kv.spans import token_rows_descs
+from dualpath.kv.layouts import BlockGeometry, full_block_view, pack_rows
 
 GEOM = BlockGeometry(n_layer=3, block_size=4, n_kv_heads=2, head_dim=2, dtype=torch.float32)
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.layouts import (DEFAULT_BLOCK_SIZE, BlockGeometry, build_full_block, concat_layer_blocks,
+from dualpath.kv.layouts import (DEFAULT_BLOCK_SIZE, BlockGeometry, build_full_block, concat_layer_blocks,
                               empty_full_block, full_block_view, full_blocks_from_kv, kv_from_full_blocks,
                               layer_block, layer_blocks, pack_layer, split_full_block, unpack_layer)
 from dualpath.model import load_config

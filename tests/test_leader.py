@@ -1,7 +1,7 @@
 """Engine group leaders pulling from the live scheduler service over ZeroMQ (loopback, no namespaces).
 
 Each engine's load and each node's read queue are served by the same code the engine and host
-agent processes run (dualpath.agents.leader.serve_state); the leaders pull with their reports and
+agent processes run (dualpath.nodes.leader.serve_state); the leaders pull with their reports and
 hand the assignments to the engines they name.
 """
 import socket
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
+from dualpath.nodes.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.messages import RequestMsg
 from dualpath.scheduler.service import SchedulerClient, SchedulerService
@@ -52,7 +52,7 @@ def cluster(request, monkeypatch):
     """Two prefill engines on node n0, one decode engine on node n1, their leaders and the service;
     the leaders pull when the scheduler's doorbell rings (with a heartbeat so long that only the
     ring can wake them within a test), or every 5 ms."""
-    import dualpath.agents.leader as leader_module
+    import dualpath.nodes.leader as leader_module
 
     monkeypatch.setattr(leader_module, "HEARTBEAT_S", 30.0)
     pulled: list[tuple[str, list]] = []

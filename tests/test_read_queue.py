@@ -6,7 +6,7 @@ import threading
 import pytest
 import zmq.asyncio
 
-from dualpath.agents.read_queue import ReadQueueServer
+from dualpath.nodes.read_queue import ReadQueueServer
 from dualpath.control import AsyncRpcClient, ControlError
 
 BLOCK = 1000

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dualpath.decode_connector import DecodeConnector, DecodePlan
+from dualpath.kv.decode_connector import DecodeConnector, DecodePlan
 from dualpath.engines.clock import DeviceClock, PassTiming
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import DecodeCache, Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dualpath.engines.clock import DeviceClock, PassTiming
-from dualpath.kv_connector import KVConnector, LoadPlan
+from dualpath.kv.connector import KVConnector, LoadPlan
 from dualpath.model import Transformer
 from dualpath.scheduler.cost_model import AttentionCostModel
 

@@ -41,7 +41,7 @@ import numpy as np
 
 RESERVED_TOKENS = 4  # token ids 0..3 are reserved (pad, bos, eos, unk); generated ids start here
 DEFAULT_VOCAB = 512  # the tiny model's vocabulary (dualpath/model/tiny.py)
-DEFAULT_BLOCK_SIZE = 16  # = dualpath.layouts.DEFAULT_BLOCK_SIZE (not imported: that pulls in torch)
+DEFAULT_BLOCK_SIZE = 16  # = dualpath.kv.layouts.DEFAULT_BLOCK_SIZE (not imported: that pulls in torch)
 LENGTH_DISTS = ("lognormal", "geometric", "fixed")
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import os
 
-from dualpath.agents.common import base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, wiring_handlers
-from dualpath.agents.leader import EngineLoad, GroupLeader, serve_state
+from dualpath.nodes.common import base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, wiring_handlers
+from dualpath.nodes.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
 
 ENGINE_NICE = -10  # CFS weight ~10x a default process while both want the CPU
@@ -45,9 +45,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # bit-exact with the reference, and no thread fights on 2 cores
-    from dualpath.buffers import ByteAllocator
+    from dualpath.kv.buffers import ByteAllocator
     from dualpath.engines.clock import DeviceClock
-    from dualpath.layouts import BlockGeometry
+    from dualpath.kv.layouts import BlockGeometry
     from dualpath.model import DecodeCache, Transformer
     from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 
@@ -85,7 +85,7 @@ def main() -> None:
     })
     common = {"lead": lead, "unlead": unlead}
     if args.role == "prefill":
-        from dualpath.agents.prefill_service import prefill_handlers
+        from dualpath.nodes.prefill_service import prefill_handlers
 
         cost = AttentionCostModel.from_dict(timing["prefill"]) if timing else None
         handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost)
@@ -98,7 +98,7 @@ def main() -> None:
         finally:
             agent.close()
     else:
-        from dualpath.agents.decode_service import DecodeService
+        from dualpath.nodes.decode_service import DecodeService
 
         cost = DecodeCostModel.from_dict(timing["decode"]) if timing else None
         service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass
 
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.store.keys import chain_keys
 
 PATHS = ("pe", "de", "split", "none")

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dualpath.buffers import ByteAllocator
-from dualpath.kv_check import crc, stale
-from dualpath.kv_spans import Span, token_rows_descs
-from dualpath.layouts import BlockGeometry, build_full_block, unpack_layer
+from dualpath.kv.buffers import ByteAllocator
+from dualpath.kv.check import crc, stale
+from dualpath.kv.spans import Span, token_rows_descs
+from dualpath.kv.layouts import BlockGeometry, build_full_block, unpack_layer
 
 KV = tuple[torch.Tensor, torch.Tensor]
 REREAD_AFTER_S = 0.002  # a late layer is read again after this long (its WRITE is still landing)

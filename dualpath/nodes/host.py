@@ -15,11 +15,11 @@ import time
 
 from pydantic import ConfigDict, validate_call
 
-from dualpath.agents.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
-from dualpath.agents.common import jobs_port, load_port
-from dualpath.agents.leader import serve_state
-from dualpath.agents.read_queue import ReadQueueServer
-from dualpath.kv_check import stale
+from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
+from dualpath.nodes.common import jobs_port, load_port
+from dualpath.nodes.leader import serve_state
+from dualpath.nodes.read_queue import ReadQueueServer
+from dualpath.kv.check import stale
 from dualpath.control import RouterServer, RpcServer, short
 from dualpath.store.client import StoreClient
 from dualpath.store.keys import check_key

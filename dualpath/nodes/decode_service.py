@@ -3,7 +3,7 @@
 One thread owns the engine's transport agent (NIXL's UCX worker is not shared across threads
 here), so one loop does everything: it answers control commands on the REP socket, takes
 decode requests on a ROUTER socket (many outstanding, each answered when its request is done,
-matched by id as in dualpath/agents/read_queue.py), starts their loads, runs a decode step
+matched by id as in dualpath/nodes/read_queue.py), starts their loads, runs a decode step
 whenever the batch has work and the previous step's window has ended, and progresses the
 transport when idle so that peers' endpoints settle.
 """
@@ -16,14 +16,14 @@ import numpy as np
 import zmq
 from pydantic import ValidationError, validate_call
 
-from dualpath.agents.leader import EngineLoad
-from dualpath.buffers import ByteAllocator
+from dualpath.nodes.leader import EngineLoad
+from dualpath.kv.buffers import ByteAllocator
 from dualpath.control import MAX_MSG_BYTES, RpcServer, pack, unpack
-from dualpath.decode_connector import BufferDecodeConnector, DecodePlan, OracleDecodeConnector
+from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan, OracleDecodeConnector
 from dualpath.engines.clock import DeviceClock
 from dualpath.engines.decode import DecodeBatcher, DecodeJob
-from dualpath.kv_spans import Span
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.spans import Span
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
 

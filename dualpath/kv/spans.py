@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.layouts import BlockGeometry
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dualpath.buffers import ByteAllocator
-from dualpath.kv_check import crc as kv_crc
-from dualpath.kv_check import stale
-from dualpath.kv_spans import Span, token_rows_descs
-from dualpath.layouts import BlockGeometry, pack_rows, unpack_layer
+from dualpath.kv.buffers import ByteAllocator
+from dualpath.kv.check import crc as kv_crc
+from dualpath.kv.check import stale
+from dualpath.kv.spans import Span, token_rows_descs
+from dualpath.kv.layouts import BlockGeometry, pack_rows, unpack_layer
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -5,13 +5,13 @@ from typing import Callable
 
 import numpy as np
 
-from dualpath.agents.leader import EngineLoad
-from dualpath.buffers import ByteAllocator
+from dualpath.nodes.leader import EngineLoad
+from dualpath.kv.buffers import ByteAllocator
 from dualpath.engines.clock import DeviceClock
 from dualpath.engines.prefill import prefill_batch as run_prefill_batch
-from dualpath.kv_connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector, PastRead
-from dualpath.kv_spans import Span
-from dualpath.layouts import BlockGeometry
+from dualpath.kv.connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector, PastRead
+from dualpath.kv.spans import Span
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.scheduler.cost_model import AttentionCostModel
 

@@ -18,7 +18,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from dualpath.agents.common import state_port
+from dualpath.nodes.common import state_port
 from dualpath.control import RpcClient, RpcServer
 
 DEFAULT_PULL_INTERVAL_S = 0.02  # without a doorbell: pull this often while idle

@@ -1,0 +1,1 @@
+"""The node processes: host agents, engines and their services, group leaders, read queues."""
