@@ -188,10 +188,11 @@ class Conductor:
         rec.n_hit = n_hit_blocks * g.block_size
         rec.n_miss = len(prompt) - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = kv_bytes(g, rec.n_hit), kv_bytes(g, rec.n_miss)
-        route = await self.router.route(Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive),
-                                        self.timeout_s)
-        if route is None:
-            rec.error = "no engine admitted the request in time"
+        try:
+            route = await self.router.route(Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive),
+                                            self.timeout_s)
+        except (asyncio.TimeoutError, ControlError) as e:
+            rec.error = str(e) or f"no engine admitted the request within {self.timeout_s:g} s"
             rec.t_done = self._now()
             self.on_record(rec)
             return rec

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from dualpath.control import ControlError
 from dualpath.nodes.common import state_port
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.messages import RequestMsg
@@ -39,8 +40,9 @@ def groups_of(cluster: Cluster) -> dict[str, list[str]]:
 class Router(Protocol):
     """What the conductor asks of whoever decides: engines and a read path for a request."""
 
-    async def route(self, req: Request, timeout_s: float) -> Route | None:
-        """None if no engine admitted the request within timeout_s."""
+    async def route(self, req: Request, timeout_s: float) -> Route:
+        """TimeoutError if no engine admitted the request within timeout_s; ControlError if none
+        can (every group of a role lost its leader)."""
 
 
 class ServiceRouter:
@@ -105,7 +107,7 @@ class ServiceRouter:
             if fut is not None and not fut.done():
                 fut.set_result(a)
 
-    async def route(self, req: Request, timeout_s: float) -> Route | None:
+    async def route(self, req: Request, timeout_s: float) -> Route:
         decided, delivered = self.loop.create_future(), self.loop.create_future()
         self._decided[req.request_id] = decided
         self._delivered[req.request_id] = delivered
@@ -114,10 +116,26 @@ class ServiceRouter:
         await self.loop.run_in_executor(self._frontend, self._client.submit, [msg])
         deadline = time.monotonic() + timeout_s
         try:
-            a = await asyncio.wait_for(decided, timeout_s)
-            await asyncio.wait_for(delivered, max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            a = await self._until(decided, deadline)
+            await self._until(delivered, deadline)
+        except (asyncio.TimeoutError, ControlError):
             self._decided.pop(req.request_id, None)
             self._delivered.pop(req.request_id, None)
-            return None
+            raise
         return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
+
+    async def _until(self, fut: asyncio.Future, deadline: float):
+        """The decision, or an error as soon as no live group of a role is left to pull for it
+        (a group pulls only through its leader), or TimeoutError at the deadline."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), min(0.5, max(0.0, deadline - time.monotonic())))
+            except asyncio.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            for role in ("prefill", "decode"):
+                groups = [g for g, r in self._roles.items() if r == role]
+                dead = [g for g in groups if not self.c.procs[self.groups[g][0]].alive()]
+                if dead and len(dead) == len(groups):
+                    raise ControlError(f"no {role} group can pull for the request: its leader "
+                                       + ", ".join(f"{self.groups[g][0]} (group {g})" for g in dead) + " exited")
