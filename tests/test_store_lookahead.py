@@ -169,4 +169,3 @@ def test_client_reads_through_the_look_ahead_byte_exact(server: StoreServer):
         out = bytearray(len(keys) * BB)
         c.get_many(keys, out)
         assert all(out[i * BB : (i + 1) * BB] == block(i % 8) for i in range(len(keys)))
-        assert c.read_q.pending_bytes == 0

@@ -1,4 +1,4 @@
-"""Store server + client over loopback: put/get, striping, checksums, errors, concurrency, read_q.
+"""Store server + client over loopback: put/get, striping, checksums, errors, concurrency.
 
 Servers run in-process (threads) on 127.0.0.1 with ephemeral ports; the crash
 test (test_store_crash.py) runs them as subprocesses.
@@ -21,7 +21,6 @@ from dualpath.store import (
     BadRequestError,
     CorruptBlockError,
     MissingBlockError,
-    ReadQueue,
     ServerBusyError,
     StoreClient,
     StoreFullError,
@@ -143,7 +142,6 @@ def test_missing_block_is_a_typed_error_and_others_still_arrive(client: StoreCli
     assert ei.value.key == keys[1] and keys[1] in str(ei.value)
     assert set(ei.value.errors) == {keys[1]}
     assert out[:BB] == block(0) and out[2 * BB :] == block(2)
-    assert client.read_q.pending_bytes == 0
     assert bytes(client.get(keys[0])) == block(0)  # connection still usable
 
 
@@ -324,12 +322,11 @@ def test_concurrent_clients(make_server):
     addrs = [s.address for s in servers]
     shared = keys_for(8, seed=1000)  # every client writes these too: idempotent under races
     errors: list[BaseException] = []
-    node_q = ReadQueue()
 
     def worker(t: int) -> None:
         try:
             own = keys_for(10, seed=10_000 * (t + 1))
-            with StoreClient(addrs, BB, read_q=node_q, window=3) as c:
+            with StoreClient(addrs, BB, window=3) as c:
                 c.put_many([(k, block(1000 + i)) for i, k in enumerate(shared)])
                 c.put_many([(k, block(t * 100 + i)) for i, k in enumerate(own)])
                 out = np.empty(18 * BB, dtype=np.uint8)
@@ -349,60 +346,11 @@ def test_concurrent_clients(make_server):
         th.join(timeout=60)
     assert not any(th.is_alive() for th in threads)
     assert not errors, errors
-    assert node_q.pending_bytes == 0
     with StoreClient(addrs, BB) as c:
         st = c.stats()
         assert sum(s["blocks"] for s in st) == 8 + 6 * 10
         assert all(s["reserved_bytes"] == 0 for s in st)
         assert sum(s["used_bytes"] for s in st) == (8 + 60) * (HEADER_SIZE + BB)
-
-
-# ---- read_q -----------------------------------------------------------------
-class RecordingReadQueue(ReadQueue):
-    """Records every value read_q takes, so the test sees it rise and fall without timing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.history: list[int] = []
-
-    def add(self, n: int) -> None:
-        super().add(n)
-        self.history.append(self.pending_bytes)
-
-    def done(self, n: int) -> None:
-        super().done(n)
-        self.history.append(self.pending_bytes)
-
-
-def test_read_q_goes_up_then_back_to_zero(make_server):
-    servers = [make_server("p"), make_server("q")]
-    keys = keys_for(12)
-    rq = RecordingReadQueue()
-    with StoreClient([s.address for s in servers], BB, read_q=rq) as c:
-        c.put_many([(k, block(i)) for i, k in enumerate(keys)])
-        assert rq.history == []  # puts are not reads
-        c.get_many(keys, bytearray(12 * BB))
-        assert rq.history[0] == 12 * BB  # everything counted as pending before any request went out
-        assert max(rq.history) == 12 * BB
-        assert rq.history[-1] == 0 and rq.pending_bytes == 0
-        assert any(0 < v < 12 * BB for v in rq.history)  # drained as bytes arrived
-        # Failed reads are removed from the queue too.
-        rq.history.clear()
-        with pytest.raises(MissingBlockError):
-            c.get_many(keys[:2] + keys_for(1, seed=5000), bytearray(3 * BB))
-        assert rq.history[0] == 3 * BB and rq.pending_bytes == 0
-
-
-def test_read_q_is_zero_after_a_server_dies(make_server):
-    srv = make_server("z")
-    keys = keys_for(4)
-    rq = ReadQueue()
-    with StoreClient([srv.address], BB, read_q=rq, timeout_s=5) as c:
-        c.put_many([(k, block(i)) for i, k in enumerate(keys)])
-        srv.stop()
-        with pytest.raises(Exception):
-            c.get_many(keys, bytearray(4 * BB))
-        assert rq.pending_bytes == 0
 
 
 def test_protocol_uses_msgpack_headers_not_pickle():

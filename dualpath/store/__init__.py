@@ -2,8 +2,8 @@
 
 keys: chained prefix keys; striping: key -> server; protocol: wire frames;
 checksum: block checksums (CRC-32C, CRC-32 of older blocks);
-client: put/get_many; readq: a node's pending read bytes; errors: typed errors;
-bench: store read throughput against fio.
+client: put/get_many; errors: typed errors. (A node's pending reads are counted by its read
+queue, dualpath/nodes/read_queue.py; the benchmark against fio is testbed/benches/store_fio.py.)
 """
 from .client import StoreClient
 from .errors import (
@@ -19,12 +19,10 @@ from .errors import (
     StoreIOError,
 )
 from .keys import chain_keys, check_key, is_valid_key
-from .readq import ReadQueue
 from .striping import server_index
 
 __all__ = [
     "StoreClient",
-    "ReadQueue",
     "chain_keys",
     "check_key",
     "is_valid_key",

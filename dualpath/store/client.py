@@ -9,9 +9,6 @@ are pipelined per server as mget frames (a window of outstanding requests,
 never unbounded, so neither side can block on a full socket while the other
 waits; the server reads a few MiB ahead of what it sends, on into the next
 frame), and the groups of different servers run in parallel threads.
-
-Every byte asked for is added to the node's ReadQueue before the request goes
-out and removed as it arrives (or when its request fails), so read_q is exact.
 """
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ from .errors import (
 )
 from .keys import check_key
 from .protocol import MAX_MGET_KEYS, pack_frame, parse_address, recv_header
-from .readq import ReadQueue
 from .striping import group_by_server
 
 Buffer = bytes | bytearray | memoryview
@@ -190,8 +186,8 @@ def _first_error(errors: dict[int, StoreError], keys: Sequence[str]) -> StoreErr
 class StoreClient:
     """Client of a striped set of storage servers holding Full Blocks of `block_bytes` each.
 
-    `servers` is ordered: block placement depends on the position in the list.
-    Share one ReadQueue among all clients of a node so read_q covers them all.
+    `servers` is ordered: block placement depends on the position in the list. A node's pending
+    reads (read_q) are counted by its read queue (dualpath/nodes/read_queue.py), not here.
     """
 
     def __init__(
@@ -199,7 +195,6 @@ class StoreClient:
         servers: Sequence[str | tuple[str, int]],
         block_bytes: int,
         *,
-        read_q: ReadQueue | None = None,
         timeout_s: float = 30.0,
         window: int | None = None,
         crc_threads: int | None = None,
@@ -215,7 +210,6 @@ class StoreClient:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.block_bytes = block_bytes
-        self.read_q = read_q if read_q is not None else ReadQueue()
         self.window = window
         if crc_threads is None:
             crc_threads = 0 if HARDWARE_CRC32C else 1
@@ -228,10 +222,6 @@ class StoreClient:
     @property
     def n_servers(self) -> int:
         return len(self._conns)
-
-    @property
-    def pending_read_bytes(self) -> int:
-        return self.read_q.pending_bytes
 
     def close(self) -> None:
         with self._pool_lock:
@@ -396,7 +386,6 @@ class StoreClient:
             with conn.lock:
                 self._get_group(conn, positions, keys, views, errors)
 
-        self.read_q.add(len(keys) * bb)  # requested from now on
         self._run_groups(group_by_server(keys, self.n_servers), work)
         if errors:
             raise _first_error(errors, keys)
@@ -410,7 +399,6 @@ class StoreClient:
         errors: dict[int, StoreError],
     ) -> None:
         bb = self.block_bytes
-        outstanding = len(positions) * bb  # this group's share of read_q
         checker = _CrcChecker(self._crc_executor()) if self.crc_threads and len(positions) > 1 else None
         ids: list[int] = []
         sent = recvd = 0
@@ -437,8 +425,6 @@ class StoreClient:
                         replied = True
                         if not reply.get("ok"):
                             errors[pos] = error_from_reply(reply)
-                            self.read_q.done(bb)
-                            outstanding -= bb
                             recvd += 1
                             continue
                         n = reply.get("n")
@@ -457,8 +443,6 @@ class StoreClient:
                             if checker is None:  # inline: CRC each chunk while it is hot in cache
                                 crc = checksum(view[got : got + k], algo, crc)
                             got += k
-                            outstanding -= k
-                            self.read_q.done(k)
                         if checker is None:
                             if crc != reply.get("crc"):
                                 errors[pos] = _corrupt(keys[pos])
@@ -475,8 +459,6 @@ class StoreClient:
                         errors.setdefault(p, err)
                     return
         finally:
-            if outstanding:
-                self.read_q.done(outstanding)  # given up on: no longer pending
             if checker is not None:
                 for p in checker.finish():  # every received block is checked, even after an error
                     errors.setdefault(p, _corrupt(keys[p]))
