@@ -80,5 +80,11 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
     result.missing.update({k: v for k, v in missing.items() if k not in result.missing})
     if not result.scale_down:
         result.scale_down = plan.scale_down
-    result.write(out, command, quick, plan.to_dict() if plan.configs else None)
+    lines = []
+    if plan.configs:
+        other = mod.plan(not quick)
+        lines = plan.lines() + [f"({'full' if quick else 'quick'} size: {len(other.configs)} run(s), estimated "
+                                f"{other.estimate_s() / 60:.1f} min; `dualpath reproduce {fig_id}"
+                                f"{'' if quick else ' --quick'} --plan` lists them)"]
+    result.write(out, command, quick, plan.to_dict() if plan.configs else None, lines)
     return out, result

@@ -83,15 +83,16 @@ class Result:
                 "scale_down": self.scale_down, "notes": self.notes,
                 "runs": [u.to_dict() for u in self.used], "plan": plan, **self.data}
 
-    def write(self, out_dir: Path, command: str, quick: bool, plan: dict[str, Any] | None = None) -> Path:
+    def write(self, out_dir: Path, command: str, quick: bool, plan: dict[str, Any] | None = None,
+              plan_lines: Sequence[str] = ()) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         s = self.summary(command, quick, plan)
         (out_dir / "summary.json").write_text(json.dumps(s, indent=2, default=_json_default) + "\n")
-        (out_dir / "report.md").write_text("\n".join(self.report_lines(command)) + "\n")
+        (out_dir / "report.md").write_text("\n".join(self.report_lines(command, plan_lines)) + "\n")
         return out_dir
 
-    def report_lines(self, command: str) -> list[str]:
+    def report_lines(self, command: str, plan_lines: Sequence[str] = ()) -> list[str]:
         out = [f"# {self.id}: {self.title}", "", f"Produced by `{command}`.", ""]
         if self.scale_down:
             out += [f"**Scale-down.** {self.scale_down}", ""]
@@ -99,13 +100,13 @@ class Result:
             out += ["**Verdict.** Computed from models and generators; no testbed run involved.", ""]
         elif self.faithful:
             out += ["**Verdict.** FAITHFUL: every run and mode used kept the target's time.", ""]
+        elif not self.used:
+            out += ["**Verdict.** No run was available: nothing below is a result.", ""]
         else:
             out += ["**Verdict.** NOT FAITHFUL: the numbers below are not results.", ""]
             for u in self.used:
                 for m, reasons in u.run.unfaithful(u.modes).items():
                     out.append(f"- {u.key} / {m}: " + "; ".join(reasons))
-            if not self.used:
-                out.append("- no run was available")
             out.append("")
         if self.missing:
             out += ["**Incomplete.** These runs were not available:", ""]
@@ -125,6 +126,8 @@ class Result:
             out.append("")
         if self.pngs:
             out += ["## Figures", ""] + [f"![{p}]({p})" for p in self.pngs] + [""]
+        if plan_lines:
+            out += ["## The runs this id needs (estimated testbed time)", "", "```"] + list(plan_lines) + ["```", ""]
         return out
 
 
