@@ -224,3 +224,24 @@ def test_cli_online_figure_without_the_runner_says_so(tmp_path):
     assert s["faithful"] is False and s["complete"] is False and s["pngs"] == [] and s["runs"] == []
     report = (folder / "report.md").read_text()
     assert "No run was available" in report and "estimated" in report and "full size" in report
+
+
+def test_plain_run_folders_match_by_topology_modes_and_workload(tmp_path):
+    """`make demo` and the README's scheduler experiment, run by hand, feed fig12 right and fig13."""
+    demo = RunFolder(tmp_path / "demo", topology="1p1d-io")
+    for m in ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle"):
+        demo.mode(m)
+    demo.summary.update(trajectories=24, first_turn_tokens=0)
+    demo.write()
+    sched = RunFolder(tmp_path / "sched", topology="2p1d-io")
+    for m in ("dualpath-rr", "dualpath", "dualpath-split"):
+        sched.mode(m)
+    sched.summary.update(trajectories=24, first_turn_tokens=1024)
+    sched.write()
+    runs = find_runs([tmp_path])
+    got, rest = match_runs(module("fig12").plan(True), runs)
+    assert set(got) == {"fig12/ladder/demo-24"} and got["fig12/ladder/demo-24"].path.name == "demo"
+    got, _ = match_runs(module("fig13").plan(True), runs)
+    assert got["scheduler/2p1d-io/24"].path.name == "sched"
+    got, _ = match_runs(module("fig13").plan(False), runs)  # 48 agents: the 24-agent run does not fit
+    assert got == {}

@@ -45,7 +45,29 @@ def match_runs(plan, runs) -> tuple[dict, list]:
     if not by_key and len(plan.configs) == 1 and len(runs) == 1 and not runs[0].plan:
         by_key[plan.configs[0].key] = runs[0]
         taken.add(id(runs[0]))
+    # a plain `dualpath run` folder (no plan.json): the one open config of its topology whose modes
+    # it has, and whose agents and cold first turn agree with what the summary records
+    for r in runs:
+        if r.plan or id(r) in taken:
+            continue
+        fits = [c for c in plan.configs if c.key not in by_key and not c.online and _fits(c, r)]
+        if len({c.digest() for c in fits}) == 1:
+            for c in fits:
+                by_key[c.key] = r
+            taken.add(id(r))
     return by_key, [r for r in runs if id(r) not in taken]
+
+
+def _fits(cfg, run) -> bool:
+    s = run.summary
+    try:
+        name = cfg.topology_obj().name
+    except Exception:
+        return False
+    return (name == run.topology and set(cfg.modes) <= set(run.modes)
+            and s.get("trajectories", cfg.workload.agents) == cfg.workload.agents
+            and s.get("first_turn_tokens", cfg.workload.first_turn_tokens) == cfg.workload.first_turn_tokens
+            and (cfg.workload.preset == "demo") == ("workload" not in s or s["workload"].get("name") == "demo"))
 
 
 def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",

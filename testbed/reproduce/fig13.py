@@ -131,6 +131,10 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              "measures 'within a small time window' during the high-load phase and calls the ratio meaningless once "
              "traffic is sparse; the loaded window stands for that phase.",
              "Shape to reach (issue 11): the scheduler <= 1.15, round-robin >= 1.4 over the loaded window."]
+    empty = [m for m, b in bal.items() if not b["series"]]
+    if empty:
+        notes.insert(0, f"No storage NIC series for {', '.join(empty)}: the run has no links.jsonl samples of them "
+                        "(runs made before the monitor's samples were kept have none).")
     data = {"modes": {m: {k: v for k, v in b.items()} for m, b in bal.items()}, "window_s": WINDOW_S,
             "load_share": LOAD_SHARE}
     return Result(ID, TITLE, heads, render(bal, out), used, data=data, notes=notes, scale_down=plan(quick).scale_down)

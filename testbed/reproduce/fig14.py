@@ -90,5 +90,9 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     notes = ["Attention time is each pass's emulated time (the target's), which the 300 ms compute quota keeps even "
              "across engines; every mode packs passes to the quota, so round-robin is shown beside the scheduler.",
              "Shape to reach (issue 11): <= 1.1 over the loaded window (the paper: 1.06)."]
+    empty = [m for m, b in bal.items() if not b["series"]]
+    if empty:
+        notes.insert(0, f"No forward steps for {', '.join(empty)}: the run has no passes.jsonl of them, or fewer than "
+                        "two prefill engines.")
     return Result(ID, TITLE, heads, render(bal, out), used, data={"modes": bal}, notes=notes,
                   scale_down=plan(quick).scale_down)

@@ -193,7 +193,8 @@ class Plan:
 
     def estimate_s(self) -> float:
         """All configs, plus the bisection probes of an online search (one mode each)."""
-        total = sum(estimate(c)["total_s"] for c in self.configs)
+        uniq = {c.digest(): c for c in self.configs}.values()  # configs of one digest are one run
+        total = sum(estimate(c)["total_s"] for c in uniq)
         if self.search and self.configs:
             per = max(estimate(c)["total_s"] for c in self.configs)
             total += len(self.search.modes) * self.search.max_probes * per / max(1, len(self.configs[0].modes))
@@ -201,7 +202,8 @@ class Plan:
 
     def lines(self) -> list[str]:
         size = "quick" if self.quick else "full"
-        out = [f"{self.id} ({size}): {len(self.configs)} run(s), estimated {_dur(self.estimate_s())}",
+        runs = len({c.digest() for c in self.configs})
+        out = [f"{self.id} ({size}): {runs} run(s), estimated {_dur(self.estimate_s())}",
                f"  scale-down: {self.scale_down}"]
         for c in self.configs:
             e = estimate(c)
