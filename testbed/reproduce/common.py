@@ -67,6 +67,7 @@ class Result:
     scale_down: str = ""
     missing: dict[str, str] = field(default_factory=dict)
     no_runs_needed: bool = False  # table1, table2: nothing to be faithful about
+    sections: list[str] = field(default_factory=list)  # extra markdown for report.md (e.g. the table itself)
 
     @property
     def faithful(self) -> bool:
@@ -116,6 +117,8 @@ class Result:
         for h in self.headline:
             out.append(f"| {h.name} | {fmt(h.testbed)} | {fmt(h.paper)} | {fmt(h.bound)} |")
         out.append("")
+        if self.sections:
+            out += list(self.sections) + [""]
         if self.notes:
             out += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
         if self.used:

@@ -12,7 +12,7 @@ from emulators.gpu import MODELS, Target, gpu
 from emulators.gpu.table1 import PAPER_RANGE, table1_rows
 from testbed import plots
 from testbed.reproduce import paper
-from testbed.reproduce.common import Headline, Result
+from testbed.reproduce.common import Headline, Result, fmt
 from testbed.reproduce.plan import Plan
 
 ID = "table1"
@@ -93,4 +93,18 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
                      "counts the FLOPs. Dense attention makes the ratio tend to a constant from below.")
     pngs = render(a, out)
     return Result(ID, TITLE, heads, pngs, data={"rows": a["rows"], "checks": a["checks"]}, notes=notes,
-                  scale_down="none (the paper's model configs and context lengths)", no_runs_needed=True)
+                  scale_down="none (the paper's model configs and context lengths)", no_runs_needed=True,
+                  sections=table_md(a["rows"]))
+
+
+def table_md(rows: list[dict]) -> list[str]:
+    """Table 1 in the paper's layout: a row per model, GB/PFLOP per context, the paper's range."""
+    out = ["## Table 1 (GB/PFLOP, append 429 tokens)", "",
+           "| model | " + " | ".join(f"{c // 1024}K" for c in CONTEXTS) + " | paper (16K-64K) |",
+           "| --- | " + " | ".join("---" for _ in CONTEXTS) + " | --- |"]
+    for m in PAPER_RANGE:
+        vals = {r["context_tokens"]: r["gb_per_pflop"] for r in rows if r["model"] == m}
+        rng = PAPER_RANGE[m]
+        out.append(f"| {NAMES[m]} | " + " | ".join(fmt(vals[c]) for c in CONTEXTS) + " | "
+                   + (f"{rng[0]:g}-{rng[1]:g}" if rng else "not in the paper") + " |")
+    return out

@@ -146,4 +146,21 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     pngs = render(a, out)
     return Result(ID, TITLE, heads, pngs, data={"presets": a["presets"], "checks": a["checks"],
                                                "scale_factor": PAPER_SCALE}, notes=notes,
-                  scale_down=plan(quick).scale_down, no_runs_needed=True)
+                  scale_down=plan(quick).scale_down, no_runs_needed=True, sections=table_md(a["presets"]))
+
+
+def table_md(sets: list[dict]) -> list[str]:
+    """Table 2 in the paper's layout, generated (paper) per cell, lengths in the paper's units."""
+    cols = (("trajectories", "trajectories", "{:.0f}"), ("turns_drawn", "turns (drawn)", "{:.1f}"),
+            ("turns_mean", "turns (kept)", "{:.1f}"), ("append_mean", "append", "{:.0f}"),
+            ("gen_mean", "generated", "{:.0f}"), ("context_mean", "context", "{:,.0f}"),
+            ("total_len_mean", "final length", "{:,.0f}"), ("hit_rate", "hit rate", "{:.3f}"))
+    out = [f"## Table 2 (generated at 1/{PAPER_SCALE} of the lengths, shown in paper tokens; the paper's value in brackets)",
+           "", "| MaxLen | " + " | ".join(c[1] for c in cols) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    for st in sets:
+        cells = []
+        for key, _, f in cols:
+            pv = st["paper"].get(key)
+            cells.append(f.format(st[key]) + (f" ({f.format(pv)})" if pv is not None else ""))
+        out.append(f"| {st['preset']} | " + " | ".join(cells) + " |")
+    return out
