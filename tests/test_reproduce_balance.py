@@ -46,6 +46,7 @@ def test_loaded_window_leaves_the_drain_out():
     a, b = loaded_window(ser, cap, window_s=1.0)
     assert a == pytest.approx(0.0) and b == pytest.approx(20.0)  # 40 testbed s loaded = 20 emulated s
     assert loaded_window(ser, None, window_s=1.0) == (a, b)  # relative to the busiest window: the same
+    assert loaded_window(ser, 10 * cap, window_s=1.0) == (a, b)  # never half that loaded: the busiest window's
 
 
 def balance_run(path, unfaithful=False):
