@@ -1,0 +1,112 @@
+"""`dualpath reproduce <id>`: one command per table and figure of the paper.
+
+Layout: one module per id (table1, table2, fig7 ... fig14), each with
+    plan(quick) -> Plan            the `dualpath run` configurations it needs (none for tables)
+    reproduce(runs, out, quick)    the analysis and plots, pure functions of run folders -> Result
+and the common parts: runs (the run-folder loader), plan (configurations and run-time estimates),
+execute (runs a plan on the testbed: root), online (the SLO, the steady-state rule, the APS
+search), common (summary.json, report.md, headline rows), paper (the paper's numbers).
+
+`reproduce_id` is the driver: it gets the runs (executes the plan, or reads given run folders),
+calls the id's analysis and writes results/reproduce/<id>/<run-id>/.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+IDS = ("table1", "table2", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14")
+DEFAULT_OUT = Path("results/reproduce")
+
+
+class UnknownId(ValueError):
+    pass
+
+
+def module(fig_id: str):
+    if fig_id not in IDS:
+        raise UnknownId(f"unknown id {fig_id!r}; choose one of {', '.join(IDS)} (dualpath reproduce --list)")
+    return importlib.import_module(f"testbed.reproduce.{fig_id}")
+
+
+def match_runs(plan, runs) -> tuple[dict, list]:
+    """Map given run folders to the plan's configs: by digest (plan.json; one run can serve every
+    config of its digest), then by key, then a lone folder without plan.json to a lone config.
+    Returns ({key: Run}, the runs no config took)."""
+    by_key, taken = {}, set()
+    for cfg in plan.configs:
+        r = next((r for r in runs if r.plan and r.plan.get("digest") == cfg.digest()), None) or \
+            next((r for r in runs if r.plan and r.plan.get("key") == cfg.key), None)
+        if r is not None:
+            by_key[cfg.key] = r
+            taken.add(id(r))
+    if not by_key and len(plan.configs) == 1 and len(runs) == 1 and not runs[0].plan:
+        by_key[plan.configs[0].key] = runs[0]
+        taken.add(id(runs[0]))
+    # a plain `dualpath run` folder (no plan.json): the one open config of its topology whose modes
+    # it has, and whose agents and cold first turn agree with what the summary records
+    for r in runs:
+        if r.plan or id(r) in taken:
+            continue
+        fits = [c for c in plan.configs if c.key not in by_key and not c.online and _fits(c, r)]
+        if len({c.digest() for c in fits}) == 1:
+            for c in fits:
+                by_key[c.key] = r
+            taken.add(id(r))
+    return by_key, [r for r in runs if id(r) not in taken]
+
+
+def _fits(cfg, run) -> bool:
+    s = run.summary
+    try:
+        name = cfg.topology_obj().name
+    except Exception:
+        return False
+    return (name == run.topology and set(cfg.modes) <= set(run.modes)
+            and s.get("trajectories", cfg.workload.agents) == cfg.workload.agents
+            and s.get("first_turn_tokens", cfg.workload.first_turn_tokens) == cfg.workload.first_turn_tokens
+            and (cfg.workload.preset == "demo") == ("workload" not in s or s["workload"].get("name") == "demo"))
+
+
+def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",
+                 run_folders: Iterable[Path] | None = None, fresh: bool = False,
+                 progress: Callable[[str], None] = print, run_id: str | None = None):
+    """Reproduce one id; returns (output folder, Result). With `run_folders`, analyse those
+    (nothing runs); otherwise execute the plan's runs first (needs root and the testbed)."""
+    from testbed.reproduce.runs import find_runs
+
+    mod = module(fig_id)
+    plan = mod.plan(quick)
+    runs, missing = {}, {}
+    if plan.configs:
+        if run_folders is not None:
+            runs, rest = match_runs(plan, find_runs(run_folders))
+            for r in rest:
+                if plan.needs_online and r.aps is not None:  # a probe of the APS search, or any online run
+                    runs[r.key or r.path.name] = r
+                else:
+                    progress(f"  {r.path}: not a run of this plan (no matching plan.json); ignored")
+            any_online = any(r.aps is not None for r in runs.values())
+            # an online figure reads whatever APS grid it is given: its own grid's keys are not required then
+            missing = {c.key: "no such run folder given" for c in plan.configs
+                       if c.key not in runs and not (c.online and any_online)}
+        else:
+            from testbed.reproduce.execute import execute
+
+            runs, missing = execute(plan, Path(out_root) / "runs", command=command, progress=progress, fresh=fresh)
+    out = Path(out_root) / fig_id / (run_id or time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = mod.reproduce(runs, out, quick=quick)
+    result.missing.update({k: v for k, v in missing.items() if k not in result.missing})
+    if not result.scale_down:
+        result.scale_down = plan.scale_down
+    lines = []
+    if plan.configs:
+        other = mod.plan(not quick)
+        lines = plan.lines() + [f"({'full' if quick else 'quick'} size: {len(other.configs)} run(s), estimated "
+                                f"{other.estimate_s() / 60:.1f} min; `dualpath reproduce {fig_id}"
+                                f"{'' if quick else ' --quick'} --plan` lists them)"]
+    result.write(out, command, quick, plan.to_dict() if plan.configs else None, lines)
+    return out, result

@@ -1,0 +1,198 @@
+"""What every reproduction writes: summary.json, report.md, and the headline rows.
+
+summary.json (the interface the checks read):
+  id, title, command, quick, faithful (true only if every run it used was FAITHFUL, in every mode
+  it used), complete (every run the plan needs was there), missing {config key: why},
+  pngs (paths relative to the folder), headline [{name, testbed, paper, bound}] with null where
+  there is none, scale_down, runs [{key, path, modes, faithful, unfaithful}], plan, and the id's
+  own data (table1: rows; figures: the series they plot).
+report.md: the producing command, the scale-down, the verdict, a table of every headline number
+(testbed, paper, bound side by side), notes, the runs used and the figures.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from testbed.reproduce.runs import Run
+
+
+@dataclass(frozen=True)
+class Headline:
+    name: str  # says what and in which unit, e.g. "DualPath speed-up over Basic (x)"
+    testbed: float | None
+    paper: float | None = None
+    bound: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound)}
+
+
+def _num(v: float | None) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    if math.isnan(v) or math.isinf(v):
+        return None
+    return round(v, 4)
+
+
+@dataclass(frozen=True)
+class UsedRun:
+    """One run folder an analysis read, and the modes it read from it."""
+
+    key: str
+    run: Run
+    modes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "path": str(self.run.path), "modes": list(self.modes),
+                "faithful": self.run.faithful(self.modes), "unfaithful": self.run.unfaithful(self.modes)}
+
+
+@dataclass
+class Result:
+    """What one id's analysis produced; `write` turns it into the folder's files."""
+
+    id: str
+    title: str
+    headline: list[Headline]
+    pngs: list[str] = field(default_factory=list)
+    used: list[UsedRun] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # the id's own numbers (rows, series)
+    notes: list[str] = field(default_factory=list)
+    scale_down: str = ""
+    missing: dict[str, str] = field(default_factory=dict)
+    no_runs_needed: bool = False  # table1, table2: nothing to be faithful about
+    sections: list[str] = field(default_factory=list)  # extra markdown for report.md (e.g. the table itself)
+
+    @property
+    def faithful(self) -> bool:
+        """True only if every run used was FAITHFUL in every mode used (and some run was used,
+        unless the id needs none)."""
+        if self.no_runs_needed:
+            return True
+        return bool(self.used) and all(u.run.faithful(u.modes) for u in self.used)
+
+    def summary(self, command: str, quick: bool, plan: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "command": command, "quick": quick,
+                "faithful": self.faithful, "complete": not self.missing, "missing": self.missing,
+                "pngs": list(self.pngs), "headline": [h.to_dict() for h in self.headline],
+                "scale_down": self.scale_down, "notes": self.notes,
+                "runs": [u.to_dict() for u in self.used], "plan": plan, **self.data}
+
+    def write(self, out_dir: Path, command: str, quick: bool, plan: dict[str, Any] | None = None,
+              plan_lines: Sequence[str] = ()) -> Path:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        s = self.summary(command, quick, plan)
+        (out_dir / "summary.json").write_text(json.dumps(s, indent=2, default=_json_default) + "\n")
+        (out_dir / "report.md").write_text("\n".join(self.report_lines(command, plan_lines)) + "\n")
+        return out_dir
+
+    def report_lines(self, command: str, plan_lines: Sequence[str] = ()) -> list[str]:
+        out = [f"# {self.id}: {self.title}", "", f"Produced by `{command}`.", ""]
+        if self.scale_down:
+            out += [f"**Scale-down.** {self.scale_down}", ""]
+        if self.no_runs_needed:
+            out += ["**Verdict.** Computed from models and generators; no testbed run involved.", ""]
+        elif self.faithful:
+            out += ["**Verdict.** FAITHFUL: every run and mode used kept the target's time.", ""]
+        elif not self.used:
+            out += ["**Verdict.** No run was available: nothing below is a result.", ""]
+        else:
+            out += ["**Verdict.** NOT FAITHFUL: the numbers below are not results.", ""]
+            for u in self.used:
+                for m, reasons in u.run.unfaithful(u.modes).items():
+                    out.append(f"- {u.key} / {m}: " + "; ".join(reasons))
+            out.append("")
+        if self.missing:
+            out += ["**Incomplete.** These runs were not available:", ""]
+            out += [f"- {k}: {why}" for k, why in self.missing.items()]
+            out.append("")
+        out += ["## Headline numbers", "", "| quantity | testbed | paper | bound |", "| --- | --- | --- | --- |"]
+        for h in self.headline:
+            out.append(f"| {h.name} | {fmt(h.testbed)} | {fmt(h.paper)} | {fmt(h.bound)} |")
+        out.append("")
+        if self.sections:
+            out += list(self.sections) + [""]
+        if self.notes:
+            out += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        if self.used:
+            out += ["## Runs used", ""]
+            for u in self.used:
+                v = "FAITHFUL" if u.run.faithful(u.modes) else "UNFAITHFUL"
+                out.append(f"- `{u.key}`: {u.run.path} ({', '.join(u.modes)}; {v})")
+            out.append("")
+        if self.pngs:
+            out += ["## Figures", ""] + [f"![{p}]({p})" for p in self.pngs] + [""]
+        if plan_lines:
+            out += ["## The runs this id needs (estimated testbed time)", "", "```"] + list(plan_lines) + ["```", ""]
+        return out
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "—"
+    v = float(v)
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3g}"
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def mean(xs: Iterable[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def pick(runs: dict[str, Run], keys: Sequence[str]) -> dict[str, Run]:
+    return {k: runs[k] for k in keys if k in runs}
+
+
+def jct(run: Run, mode: str) -> float | None:
+    """Emulated JCT of a mode, None if the run lacks it."""
+    return run.jct(mode) if run.has(mode) else None
+
+
+def pd_bound(run: Run) -> float | None:
+    """The run's bound on DualPath's speed-up over Basic: speedup_bound from its summary
+    (min((P+D)/P, basic/oracle)), else (P+D)/P from the topology name (<P>p<D>d...)."""
+    for m in run.modes:
+        b = run.mode(m).get("speedup_bound")
+        if b:
+            return float(b)
+    import re
+
+    name = run.topology or ((run.plan or {}).get("config") or {}).get("topology", "")
+    mt = re.match(r"^(\d+)p(\d+)d", name or "")
+    if mt:
+        p, d = int(mt.group(1)), int(mt.group(2))
+        return (p + d) / p
+    return None

@@ -1,0 +1,73 @@
+"""Figure 11: online average JCT against APS, Basic and DualPath.
+
+An agent's JCT is its last turn's end minus its first turn's arrival (emulated). The paper
+(DS 660B) reads about 575 s at 0.1 APS and 1,100 s at 0.45 APS for DualPath; Basic's grows
+sharply towards its capacity. Uses the same online runs as figure 10.
+NEEDS THE ONLINE RUNNER, which the testbed does not have yet.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from testbed import plots
+from testbed.reproduce import online
+from testbed.reproduce.common import Headline, Result, ratio
+from testbed.reproduce.fig10 import used_of
+
+ID = "fig11"
+TITLE = "Online average JCT against APS"
+
+
+def plan(quick: bool = False):
+    return online.online_plan(ID, quick)
+
+
+def render(cur: dict, caps: dict, out: Path) -> list[str]:
+    if not any(cur.values()):
+        return []
+    fig, ax = plots.new_figure("Figure 11: mean agent JCT against load, Qwen2.5-32B on 1P1D",
+                               "load (agents per emulated second, APS)", "mean JCT per agent (emulated s)")
+    for m, pts in cur.items():
+        plots.mode_line(ax, [p["aps"] for p in pts], [p["jct_mean"] for p in pts], m)
+        over = [p for p in pts if not p["meets_slo"]]
+        if over:
+            ax.scatter([p["aps"] for p in over], [p["jct_mean"] for p in over], marker="x", color=plots.color(m), s=40,
+                       zorder=6, label=f"{plots.label(m)}: over the SLO")
+        if caps.get(m):
+            ax.axvline(caps[m], ls="-.", lw=0.9, color=plots.color(m), label=f"{plots.label(m)}: highest APS under SLO")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="both", alpha=0.3)
+    plots.legend_below(ax, ncol=2)
+    plots.caption(fig, "Paper (DS 660B, DualPath): ~575 s at 0.1 APS, ~1,100 s at 0.45 APS; Basic's JCT grows sharply "
+                       "towards its capacity. Absolute values are not comparable (scaled-down cluster and workload).")
+    plots.save(fig, out / "fig11.png")
+    return ["fig11.png"]
+
+
+def common_point(cur: dict) -> float | None:
+    """The highest APS at which both modes were run and both meet the SLO."""
+    ok = [{p["aps"] for p in pts if p["meets_slo"]} for pts in cur.values()]
+    both = set.intersection(*ok) if ok else set()
+    return max(both) if both else None
+
+
+def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
+    cur = online.curves(runs)
+    caps = online.capacities(cur)
+    at = common_point(cur)
+
+    def j(m):
+        return next((p["jct_mean"] for p in cur.get(m, []) if p["aps"] == at), None)
+
+    name = f"at {at:g} APS" if at is not None else "at the highest APS both meet the SLO"
+    heads = [Headline(f"Basic mean JCT {name} (emulated s)", j("basic"), None, None),
+             Headline(f"DualPath mean JCT {name} (emulated s)", j("dualpath"), None, None),
+             Headline(f"Basic / DualPath mean JCT {name} (x)", ratio(j("basic"), j("dualpath")), None, None)]
+    notes = ["The paper gives no ratio for this figure; it uses it for the working set by Little's law "
+             "(lambda x mean JCT x total length / 2: 69 GB at 0.1 APS to 681 GB at 0.45 APS for DS 660B)."]
+    if not online.online_runs(runs):
+        notes.insert(0, "No online run: " + online.NO_RUNNER)
+    return Result(ID, TITLE, heads, render(cur, caps, out), used_of(runs),
+                  data={"curves": {m: [{k: p[k] for k in ("aps", "jct_mean", "agents", "meets_slo")} for p in pts]
+                                   for m, pts in cur.items()}, "capacity_aps": caps, "common_aps": at},
+                  notes=notes, scale_down=plan(quick).scale_down)

@@ -1,0 +1,198 @@
+"""Figure 12: left, the TTFT breakdown against APS; right, the ablation ladder's JCT.
+
+Left (online, the runs of figure 10): each request's TTFT split from its timeline (testbed s,
+divided by the dilation) into
+    queue    arrival -> the scheduler's decision (t_routed)
+    alloc    decision -> the KV read starts (DRAM buffer space on the PE and DE nodes)
+    read     the hit KV read from storage, queueing behind other reads included
+             (t_read_start -> t_prefill_start; no read: 0)
+    prefill  waiting for and running the prefill passes, up to the first token
+             (t_prefill_start -> t_first_token)
+The four add up to t_first_token - t_arrive. The records carry no t_routed yet: until the
+conductor records the decision time, queue and alloc are one span, reported as queue, and alloc
+as 0 (said in the report). Means over the measured requests of each (APS, mode). The paper
+(DS 660B): Basic's read time grows with APS, DualPath's stays flat.
+NEEDS THE ONLINE RUNNER for the left panel.
+
+Right (offline): the ladder basic, +layerwise, +dual-path (round-robin), +scheduler (dualpath),
+and oracle, JCT relative to Basic; the paper's reductions are 17.21 %, 38.19 % and 45.62 %
+(DS 660B, 64K, 1024 and 2048 agents).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from testbed import plots
+from testbed.reproduce import online, paper
+from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
+from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+
+ID = "fig12"
+TITLE = "TTFT breakdown against APS (left) and the ablation ladder (right)"
+LADDER = ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle")
+PARTS = ("queue", "alloc", "read", "prefill")
+PART_COLORS = {"queue": "#8c8c8c", "alloc": "#ccb974", "read": "#4c72b0", "prefill": "#c44e52"}
+TOPOLOGY = "1p1d-io"
+
+
+def ladder_configs(quick: bool) -> list[RunConfig]:
+    if quick:
+        return [RunConfig("fig12/ladder/demo-24", TOPOLOGY, LADDER, WorkloadSpec(agents=24), params={"agents": 24})]
+    return [RunConfig(f"fig12/ladder/64K-{a}", TOPOLOGY, LADDER, WorkloadSpec(preset="64K", scale=PAPER_SCALE, agents=a),
+                      params={"agents": a}) for a in (12, 24)]
+
+
+def plan(quick: bool = False) -> Plan:
+    on = online.online_plan(ID, quick)
+    lad = ladder_configs(quick)
+    right = ("the demo workload, 24 agents (`make demo`)" if quick else
+             f"the paper's 64K trace with lengths / {PAPER_SCALE}, 12 and 24 agents (the paper: 1024 and 2048)")
+    return Plan(ID, quick, on.configs + lad, scale_down=f"left: {on.scale_down}. Right: 1P1D (1p1d-io), {right}",
+                notes=on.notes, search=None)
+
+
+# --------------------------------------------------------------------------- left
+
+
+def ttft_breakdown(r: dict, dilation: float = 1.0) -> dict[str, float]:
+    """One request's TTFT in four parts (emulated s); they sum to (t_first_token - t_arrive) / k."""
+    arrive, pstart, first = r["t_arrive"], r["t_prefill_start"], r["t_first_token"]
+    rstart = r["t_read_start"] if r.get("t_read_start", 0) > 0 else pstart
+    routed = r.get("t_routed")
+    if routed is not None and arrive <= routed <= rstart:
+        queue, alloc = routed - arrive, rstart - routed
+    else:
+        queue, alloc = rstart - arrive, 0.0
+    return {"queue": queue / dilation, "alloc": alloc / dilation, "read": (pstart - rstart) / dilation,
+            "prefill": (first - pstart) / dilation}
+
+
+def breakdown_point(run, mode: str) -> dict:
+    """Mean TTFT parts of the measured requests of one (APS, mode) run."""
+    recs = [r for r in run.records(mode) if r.get("trajectory", 0) >= 0 and not r.get("error")]
+    recs.sort(key=lambda r: r["t_arrive"])
+    if not recs:
+        return {"aps": run.aps, "mode": mode, "n": 0, **{p: None for p in PARTS}}
+    t0, t1 = recs[0]["t_arrive"], recs[-1]["t_arrive"]
+    start = t0 + online.WARMUP * (t1 - t0)
+    parts = [ttft_breakdown(r, run.dilation) for r in recs if r["t_arrive"] >= start]
+    return {"aps": run.aps, "mode": mode, "n": len(parts), "split_queue_alloc": all("t_routed" in r for r in recs),
+            **{p: mean(x[p] for x in parts) for p in PARTS}}
+
+
+def left(runs: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {m: [] for m in online.MODES}
+    for r in online.online_runs(runs):
+        for m in online.MODES:
+            if r.has(m):
+                out[m].append(breakdown_point(r, m))
+    return out
+
+
+def render_left(br: dict, out: Path) -> list[str]:
+    apss = sorted({p["aps"] for pts in br.values() for p in pts})
+    if not apss:
+        return []
+    fig, ax = plots.new_figure("Figure 12 (left): TTFT breakdown against load, Qwen2.5-32B on 1P1D",
+                               "load (agents per emulated second, APS)", "mean TTFT (emulated s)")
+    width = 0.38
+    hatches = {"basic": "", "dualpath": "///"}
+    for j, m in enumerate(online.MODES):
+        by = {p["aps"]: p for p in br.get(m, [])}
+        for i, a in enumerate(apss):
+            p = by.get(a)
+            if not p or not p["n"]:
+                continue
+            x = i + (j - 0.5) * width
+            bottom = 0.0
+            for part in PARTS:
+                v = p[part] or 0.0
+                ax.bar(x, v, width * 0.95, bottom=bottom, color=PART_COLORS[part], hatch=hatches[m], edgecolor="white")
+                bottom += v
+            ax.annotate("B" if m == "basic" else "D", (x, bottom), ha="center", va="bottom", fontsize=7,
+                        xytext=(0, 1), textcoords="offset points")
+    for part in PARTS:
+        ax.bar([0], [0], color=PART_COLORS[part], label=part)
+    ax.bar([0], [0], color="white", edgecolor="#555555", label="B: Basic (solid)")
+    ax.bar([0], [0], color="white", edgecolor="#555555", hatch="///", label="D: DualPath (hatched)")
+    ax.set_xticks(range(len(apss)))
+    ax.set_xticklabels([f"{a:g}" for a in apss])
+    plots.legend(ax, loc="upper left")
+    plots.caption(fig, "Paper (DS 660B): Basic's KV read time grows with APS while DualPath's stays flat. "
+                       "Queue and alloc are one span until the conductor records its decision time (t_routed).")
+    plots.save(fig, out / "fig12_left.png")
+    return ["fig12_left.png"]
+
+
+# --------------------------------------------------------------------------- right
+
+
+def right(runs: dict, quick: bool) -> list[dict]:
+    out = []
+    for cfg in ladder_configs(quick):
+        r = runs.get(cfg.key)
+        if r is None:
+            continue
+        j = {m: jct(r, m) for m in LADDER}
+        red = {m: (1 - j[m] / j["basic"]) if j.get(m) is not None and j.get("basic") else None for m in LADDER}
+        out.append({"key": cfg.key, "agents": cfg.params["agents"], "jct_s": j, "reduction": red, "bound": pd_bound(r)})
+    return out
+
+
+def render_right(rows: list[dict], out: Path) -> list[str]:
+    if not rows:
+        return []
+    fig, ax = plots.new_figure("Figure 12 (right): the ablation ladder, Qwen2.5-32B on 1P1D", "agents (JCT in the bars, emulated s)",
+                               "JCT relative to Basic (1 = Basic)")
+    groups = [str(c["agents"]) for c in rows]
+    rel = {m: [(c["jct_s"][m] / c["jct_s"]["basic"]) if c["jct_s"][m] is not None and c["jct_s"]["basic"] else None
+               for c in rows] for m in LADDER}
+    bars = plots.grouped_bars(ax, groups, rel, annotate=False)
+    for m, bs in bars.items():
+        for b, c in zip(bs, rows):
+            v = c["jct_s"][m]
+            if v is not None:  # the absolute JCT inside the bar; the paper's markers sit on top
+                ax.text(b.get_x() + b.get_width() / 2, b.get_height() / 2, f"{v:.0f} s", ha="center", va="center",
+                        fontsize=7, rotation=90, color="white")
+    n = len(LADDER)
+    width = 0.8 / n
+    for i, m in enumerate(LADDER):
+        if m in paper.FIG12_REDUCTION:
+            xs = [g + (i - (n - 1) / 2) * width for g in range(len(rows))]
+            plots.paper_points(ax, xs, [1 - paper.FIG12_REDUCTION[m]] * len(rows),
+                               "paper (DS 660B): 1 - its mean reduction" if m == "layerwise" else None)
+    b = rows[0]["bound"]
+    if b:
+        ax.axhline(1 / b, ls=":", color="#555555", lw=1, label=f"least JCT the bound allows (1 / {b:.2f})")
+    ax.set_ylim(0, 1.35)
+    plots.legend_below(ax, ncol=3)
+    plots.save(fig, out / "fig12_right.png")
+    return ["fig12_right.png"]
+
+
+def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
+    br = left(runs)
+    rows = right(runs, quick)
+    heads = []
+    for m in ("layerwise", "dualpath-rr", "dualpath"):
+        reds = [c["reduction"][m] for c in rows if c["reduction"].get(m) is not None]
+        bound = rows[0]["bound"] if rows else None
+        heads.append(Headline(f"right: {plots.label(m)} mean JCT reduction vs Basic (share)", mean(reds),
+                              paper.FIG12_REDUCTION[m], (1 - 1 / bound) if bound else None))
+    for m in online.MODES:
+        pts = sorted((p for p in br.get(m, []) if p["n"]), key=lambda p: p["aps"])
+        lo, hi = (pts[0], pts[-1]) if len(pts) >= 2 else (None, None)
+        heads.append(Headline(f"left: {plots.label(m)} mean read time at the highest / lowest APS (x; paper: "
+                              f"{'grows' if m == 'basic' else 'flat, ~1'})",
+                              (hi["read"] / lo["read"]) if lo and hi and lo["read"] else None, None, None))
+    used = [UsedRun(k, r, tuple(m for m in online.MODES if r.has(m))) for k, r in runs.items() if r.aps is not None]
+    used += [UsedRun(c["key"], runs[c["key"]], tuple(m for m in LADDER if runs[c["key"]].has(m))) for c in rows]
+    notes = ["Right: the paper's reductions are means over 1024 and 2048 agents (DS 660B, 64K); ours are means over "
+             "our agent counts. Paper JCTs (read off the figure): "
+             + "; ".join(f"{a} agents " + ", ".join(f"{plots.label(m)} {v}" for m, v in d.items())
+                         for a, d in paper.FIG12_JCT.items()) + " s.",
+             "Left: queue and alloc are one span (reported as queue) until records carry t_routed, the decision time."]
+    if not online.online_runs(runs):
+        notes.insert(0, "Left panel: no online run: " + online.NO_RUNNER)
+    return Result(ID, TITLE, heads, render_left(br, out) + render_right(rows, out), used,
+                  data={"left": br, "right": rows}, notes=notes, scale_down=plan(quick).scale_down)

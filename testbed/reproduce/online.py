@@ -1,0 +1,258 @@
+"""Online serving (figures 10, 11, 12 left): the SLO, the steady-state rule, the APS search.
+
+Input: online run folders. Each is one `dualpath run` whose agents arrived as a Poisson process
+at a known APS (agents per emulated second; summary.json `arrivals.aps`, or the plan.json the
+executor writes), with modes basic and dualpath. Every request in records.jsonl carries its own
+t_arrive (testbed s; an agent's first turn arrives at the agent's arrival, each later turn when
+the previous one finished: zero tool latency, as in the paper) and ttft_s / ttst_s / tpot_s in
+emulated seconds. THE CONDUCTOR HAS NO ONLINE RUNNER YET (it starts every agent at once), so
+no such folder can be made today; the analysis below is exercised on hand-built folders.
+
+SLO (the paper's, in emulated time): TTFT <= 4 s and TPOT <= 50 ms.
+
+The paper's steady-state rule ends a run when TTFT exceeds 4 s, or when the TTFT of a 150 s
+sliding window differs by less than 5 % from that of the window 30 minutes before. Our runs last
+tens of emulated seconds, so we use this scaled equivalent, over the requests that arrive after
+a warm-up (the first WARMUP share of the arrival span) up to the last arrival:
+  * windows: the measured span cut into N_WINDOWS equal windows, each with the mean TTFT of the
+    requests arriving in it (the paper's sliding window, 150 s of a 30-min lag ~ 1/12; ours 1/8);
+  * ttft_ok: no window's mean TTFT above the SLO (the paper stops as soon as it is exceeded);
+  * tpot_ok: the mean TPOT of the measured requests at most the SLO;
+  * steady: the last window's mean TTFT is at most 5 % (STEADY_TOL) above the window half the
+    span earlier (the paper's lag, scaled), or within STEADY_FLOOR of the SLO's TTFT of it
+    (TTFTs far below the SLO vary by more than 5 % without a queue building). A TTFT that is
+    still rising is a queue that grows: had the run gone on, the SLO would break;
+  * meets = ttft_ok and tpot_ok and steady; a request that failed counts as an SLO miss.
+The highest APS meeting the SLO is the highest probed APS that meets it with every lower probe
+meeting it too; `bisect_next` proposes the next probe between the best pass and the first fail.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+from testbed.reproduce import paper
+from testbed.reproduce.common import mean
+from testbed.reproduce.plan import OnlineSearch, OnlineSpec, Plan, RunConfig, WorkloadSpec, io_capacity_aps
+from testbed.reproduce.runs import Run
+
+WARMUP = 0.2
+N_WINDOWS = 8
+STEADY_TOL = paper.STEADY_TOL
+STEADY_FLOOR = 0.05  # of the SLO's TTFT
+MODES = ("basic", "dualpath")
+NO_RUNNER = ("the conductor has no online runner yet (it starts every agent at once), so no run with Poisson "
+             "arrivals exists; this analysis runs on any folder that has one")
+TOPOLOGY = "1p1d-io"
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def online_configs(quick: bool) -> list[RunConfig]:
+    """The APS grid of figures 10, 11 and 12 left: 1p1d-io, basic and dualpath, the demo's
+    agents arriving at fractions of DualPath's I/O-bound capacity (twice basic's on 1P1D)."""
+    probe = RunConfig("probe", TOPOLOGY, MODES, WorkloadSpec(agents=24))
+    cap = io_capacity_aps(probe, "dualpath")
+    fractions = (0.3, 0.55, 0.8) if quick else (0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 1.1)
+    arrivals_s = 10.0 if quick else 20.0  # emulated seconds of arrivals per run
+    out = []
+    for f in fractions:
+        aps = round(cap * f, 2)
+        agents = max(16 if quick else 24, round(aps * arrivals_s))
+        out.append(RunConfig(f"online/aps={aps:g}", TOPOLOGY, MODES, WorkloadSpec(agents=agents),
+                             online=OnlineSpec(aps=aps, seed=0), params={"aps": aps}))
+    return out
+
+
+def online_plan(fig_id: str, quick: bool) -> Plan:
+    cfgs = online_configs(quick)
+    return Plan(fig_id, quick, cfgs,
+                scale_down=("1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x0.0025; the demo's "
+                            "agents (10 turns, ~660-token contexts, 1/50 of the paper's 32K); SLO as the paper's "
+                            "(TTFT <= 4 s, TPOT <= 50 ms, emulated); steady-state rule scaled (testbed.reproduce.online)"),
+                notes=["needs the online runner: Poisson arrivals per agent (Trajectory.arrival_s, in testbed s = "
+                       "emulated s x the dilation) honoured by the conductor, and summary.json `arrivals`"],
+                search=OnlineSearch(MODES, rel_tol=0.1, max_probes=1 if quick else 4))
+
+
+# --------------------------------------------------------------------------- per request
+
+
+def requests(run: Run, mode: str) -> list[dict[str, Any]]:
+    """The mode's requests in emulated seconds: arrive, ttft, ttst, tpot, done, trajectory, turn,
+    error; sorted by arrival."""
+    out = []
+    for r in run.records(mode):
+        if r.get("trajectory", 0) < 0:
+            continue  # the warm-up request
+        out.append({"trajectory": r["trajectory"], "turn": r["turn"], "arrive": run.emulated(r["t_arrive"]),
+                    "done": run.emulated(r["t_done"]), "ttft": r.get("ttft_s"), "ttst": r.get("ttst_s"),
+                    "tpot": r.get("tpot_s"), "error": bool(r.get("error"))})
+    return sorted(out, key=lambda x: x["arrive"])
+
+
+def agent_jcts(reqs: Sequence[dict]) -> list[float]:
+    """Each agent's completion time: its last turn's end minus its first turn's arrival (emulated)."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for r in reqs:
+        t = r["trajectory"]
+        first[t] = min(first.get(t, math.inf), r["arrive"])
+        last[t] = max(last.get(t, -math.inf), r["done"])
+    return [last[t] - first[t] for t in first]
+
+
+def measured(reqs: Sequence[dict], warmup: float = WARMUP) -> tuple[list[dict], tuple[float, float]]:
+    """The requests arriving after the warm-up, up to the last arrival, and that span."""
+    if not reqs:
+        return [], (0.0, 0.0)
+    t0, t1 = reqs[0]["arrive"], reqs[-1]["arrive"]
+    start = t0 + warmup * (t1 - t0)
+    return [r for r in reqs if r["arrive"] >= start], (start, t1)
+
+
+def _ttft(r: dict) -> float:
+    return math.inf if r["error"] or r["ttft"] is None else r["ttft"]
+
+
+def windows(reqs: Sequence[dict], span: tuple[float, float], n: int = N_WINDOWS) -> list[tuple[float, float | None, int]]:
+    """(window middle, mean TTFT or None if empty, requests) of n equal windows of the span."""
+    a, b = span
+    w = (b - a) / n if b > a else 0.0
+    out = []
+    for i in range(n):
+        lo, hi = a + i * w, a + (i + 1) * w
+        inside = [r for r in reqs if (lo <= r["arrive"] < hi) or (i == n - 1 and r["arrive"] == hi)]
+        vals = [_ttft(r) for r in inside]
+        out.append(((lo + hi) / 2, (sum(vals) / len(vals)) if vals else None, len(inside)))
+    return out
+
+
+def slo_verdict(reqs: Sequence[dict], slo_ttft: float = paper.SLO_TTFT_S, slo_tpot: float = paper.SLO_TPOT_S,
+                warmup: float = WARMUP, n_windows: int = N_WINDOWS) -> dict[str, Any]:
+    """Whether one mode's run at one APS meets the SLO in steady state (see the module docstring)."""
+    meas, span = measured(reqs, warmup)
+    if not meas:
+        return {"meets": False, "reason": "no requests", "windows": []}
+    win = windows(meas, span, n_windows)
+    means = [m for _, m, _ in win if m is not None]
+    ttft_ok = all(m <= slo_ttft for m in means)
+    tpots = [r["tpot"] for r in meas if r["tpot"] is not None and not r["error"]]
+    tpot_mean = mean(tpots)
+    tpot_ok = tpot_mean is None or tpot_mean <= slo_tpot
+    filled = [(t, m) for t, m, _ in win if m is not None]
+    steady, last, lagged = True, None, None
+    if len(filled) >= 2:
+        last = filled[-1][1]
+        lag_t = filled[-1][0] - (span[1] - span[0]) / 2
+        lagged = min(filled, key=lambda x: abs(x[0] - lag_t))[1]
+        steady = math.isfinite(last) and (last <= lagged * (1 + STEADY_TOL) or last - lagged <= STEADY_FLOOR * slo_ttft)
+    errors = sum(r["error"] for r in meas)
+    reasons = []
+    if not ttft_ok:
+        reasons.append(f"a window's mean TTFT {max(means):.3g} s > {slo_ttft:g} s")
+    if not tpot_ok:
+        reasons.append(f"mean TPOT {tpot_mean * 1e3:.1f} ms > {slo_tpot * 1e3:g} ms")
+    if not steady:
+        reasons.append(f"TTFT still rising ({lagged:.3g} -> {last:.3g} s over half the span): not steady")
+    if errors:
+        reasons.append(f"{errors} request(s) failed")
+    return {"meets": ttft_ok and tpot_ok and steady and not errors, "ttft_ok": ttft_ok, "tpot_ok": tpot_ok,
+            "steady": steady, "errors": errors, "reasons": reasons, "tpot_mean": tpot_mean,
+            "ttft_last_window": last, "ttft_lagged_window": lagged, "span": list(span), "measured": len(meas),
+            "windows": [{"t": t, "ttft_mean": m, "n": n} for t, m, n in win]}
+
+
+def _pct(xs: Sequence[float], p: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None and math.isfinite(x))
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * p / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stat(xs: Iterable[float | None]) -> dict[str, float | None]:
+    """mean, p10 and p90 (the band the figures shade) of the values that exist."""
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    return {"mean": mean(v), "p10": _pct(v, 10), "p90": _pct(v, 90), "n": len(v)}
+
+
+def point(run: Run, mode: str, **slo) -> dict[str, Any]:
+    """One (APS, mode) point of figures 10 and 11: latencies over the measured requests, the
+    agents' mean JCT, and the SLO verdict."""
+    reqs = requests(run, mode)
+    meas, _ = measured(reqs)
+    v = slo_verdict(reqs, **slo)
+    ok = [r for r in meas if not r["error"]]
+    return {"aps": run.aps, "mode": mode, "ttft": stat(r["ttft"] for r in ok), "ttst": stat(r["ttst"] for r in ok),
+            "tpot": stat(r["tpot"] for r in ok), "jct_mean": mean(agent_jcts(reqs)), "agents": len({r["trajectory"] for r in reqs}),
+            "meets_slo": v["meets"], "verdict": v, "faithful": run.faithful([mode])}
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def capacity(points: Iterable[tuple[float, bool]]) -> float | None:
+    """The highest APS meeting the SLO with every lower probed APS meeting it too."""
+    best = None
+    for aps, ok in sorted(points):
+        if not ok:
+            break
+        best = aps
+    return best
+
+
+def bisect_next(points: Iterable[tuple[float, bool]], rel_tol: float = 0.1) -> float | None:
+    """The next APS to probe: the middle between the best pass and the first fail above it, or
+    None when they are within rel_tol of each other (or there is no bracket to halve; with only
+    passes, double the highest; with only fails, halve the lowest)."""
+    pts = sorted(points)
+    if not pts:
+        return None
+    best = capacity(pts)
+    fails = [a for a, ok in pts if not ok and (best is None or a > best)]
+    if best is None:
+        return pts[0][0] / 2 if pts[0][0] > 1e-3 else None
+    if not fails:
+        return best * 2
+    hi = min(fails)
+    if (hi - best) <= rel_tol * best:
+        return None
+    return (best + hi) / 2
+
+
+def search(evaluate: Callable[[float], bool], points: Iterable[tuple[float, bool]] = (), rel_tol: float = 0.1,
+           max_probes: int = 6) -> tuple[float | None, list[tuple[float, bool]]]:
+    """Probe APS values (evaluate(aps) -> meets the SLO) by bisection from the given points until
+    the bracket is within rel_tol or max_probes are spent; returns (capacity, every point)."""
+    pts = list(points)
+    for _ in range(max_probes):
+        nxt = bisect_next(pts, rel_tol)
+        if nxt is None:
+            break
+        pts.append((nxt, bool(evaluate(nxt))))
+    return capacity(pts), sorted(pts)
+
+
+# --------------------------------------------------------------------------- all runs
+
+
+def online_runs(runs: dict[str, Run]) -> list[Run]:
+    """The online runs among these (they have an APS), by APS."""
+    return sorted((r for r in runs.values() if r.aps is not None), key=lambda r: r.aps)
+
+
+def curves(runs: dict[str, Run], modes: Sequence[str] = MODES) -> dict[str, list[dict]]:
+    """mode -> its points by APS, over every online run that has the mode."""
+    out: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in online_runs(runs):
+        for m in modes:
+            if r.has(m):
+                out[m].append(point(r, m))
+    return out
+
+
+def capacities(cur: dict[str, list[dict]]) -> dict[str, float | None]:
+    return {m: capacity((p["aps"], p["meets_slo"]) for p in pts) for m, pts in cur.items()}

@@ -1,0 +1,290 @@
+"""What a reproduction needs run: `dualpath run` configurations, and how long they take.
+
+A `Plan` is the list of `RunConfig`s one figure needs, at full or `--quick` size. A RunConfig
+names a topology file (optionally with fields overridden, e.g. a common storage-NIC ratio), the
+modes, the compute quota and a `WorkloadSpec`; online configs also carry an `OnlineSpec` (Poisson
+arrivals at an APS in agents per *emulated* second). `testbed.reproduce.execute` runs them.
+
+Run times are *estimates* (`estimate`), from first principles calibrated on the README's numbers:
+the demo (24 agents, 234 turns, 5 modes on 1p1d-io) takes about 2.5 minutes. Per mode the run
+lasts the longest of
+  * reading every hit byte through the storage NICs that read in that mode (P nodes for basic
+    and layerwise, P + D for the dual-path modes, none for oracle) at their payload rate;
+  * the longest trajectory's own chain of turns, each a prefill pass of it alone plus its decode
+    steps, in the target's time times the dilation;
+  * the prefill engines' total work spread over all of them;
+  * for online runs, the arrival span plus the last agent's chain;
+plus the cluster's start, each mode's warm-up, and verification of every request against a
+recomputation. Good to within a factor of about 1.5; the real JCTs land in each run's summary.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from dualpath.workload import WorkloadConfig, demo_workload, generate, scaled, turn_hits
+
+TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
+RUN_BLOCK_TOKENS = 32  # = testbed.experiment.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
+DEMO_KV_BYTES_PER_TOKEN = 2048  # = dualpath.model.tiny.DEMO_KV_BYTES_PER_TOKEN (the demo checkpoint)
+PAPER_SCALE = 32  # the paper presets' lengths are divided by this (64K MaxLen -> 2048, the demo's)
+
+# Calibration of the estimate (see the module docstring).
+SETUP_S = 15.0  # cluster up, checkpoint load, store warm
+MODE_OVERHEAD_S = 2.0  # a mode's warm-up and drain
+# Recomputing a request (tokens and KV) costs about this per prompt token: the old runs in
+# results/e2e took 70 s beyond their JCTs for 936 requests of ~660 tokens (0.06 s each), and
+# 142 s for 702 of ~1,700 tokens (0.2 s each).
+VERIFY_S_PER_TOKEN = 9e-5
+READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD", "dualpath-split": "PD",
+           "oracle": ""}
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A generated workload. preset "demo" is the README's demo workload; "32K"/"48K"/"64K" are
+    the paper's three trace sets (Table 2) with every length divided by `scale`."""
+
+    preset: str = "demo"
+    scale: float = 1.0
+    agents: int = 24
+    turns_scale: float = 1.0  # turn counts divided by this (quick sizes only; stated in reports)
+    append_scale: float = 1.0  # each turn's append length times this (fig9 left)
+    gen_scale: float = 1.0  # each turn's generation length times this (fig9 right)
+    first_turn_tokens: int = 0  # > 0: every first turn appends this many cold tokens
+    seed: int = 0
+
+    def config(self) -> WorkloadConfig:
+        if self.preset == "demo":
+            c = demo_workload(seed=self.seed, n_trajectories=self.agents, first_append_len=self.first_turn_tokens)
+        else:
+            c = scaled(self.preset, self.scale, n_trajectories=self.agents, seed=self.seed)
+            if self.first_turn_tokens:
+                c = replace(c, first_append_len=self.first_turn_tokens)
+        turns = max(1.0, c.turns_mean / self.turns_scale)
+        notes = list(c.notes)
+        if self.turns_scale != 1:
+            notes.append(f"turn counts divided by {self.turns_scale:g} (quick size)")
+        if self.append_scale != 1:
+            notes.append(f"appends x{self.append_scale:g}")
+        if self.gen_scale != 1:
+            notes.append(f"generations x{self.gen_scale:g}")
+        return replace(c, turns_mean=turns, turns_min=min(c.turns_min, max(1, int(turns))),
+                       append_mean=max(1.0, c.append_mean * self.append_scale),
+                       gen_mean=max(1.0, c.gen_mean * self.gen_scale), notes=tuple(notes))
+
+    def describe(self) -> str:
+        what = "the demo workload" if self.preset == "demo" else f"paper trace {self.preset}, lengths /{self.scale:g}"
+        bits = [what, f"{self.agents} agents"]
+        if self.turns_scale != 1:
+            bits.append(f"turns /{self.turns_scale:g}")
+        if self.append_scale != 1:
+            bits.append(f"appends x{self.append_scale:g}")
+        if self.gen_scale != 1:
+            bits.append(f"generations x{self.gen_scale:g}")
+        if self.first_turn_tokens:
+            bits.append(f"{self.first_turn_tokens}-token cold first turns")
+        return ", ".join(bits)
+
+
+@dataclass(frozen=True)
+class OnlineSpec:
+    """Online serving: agents arrive as a Poisson process at `aps` agents per emulated second."""
+
+    aps: float
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    """One `dualpath run`: where (topology), what (modes, workload) and how (quota, arrivals).
+    `params` are the coordinates the analysis reads (e.g. {"max_len": "64K", "agents": 16})."""
+
+    key: str
+    topology: str
+    modes: tuple[str, ...]
+    workload: WorkloadSpec
+    topology_overrides: dict[str, Any] = field(default_factory=dict)
+    quota_ms: int = 300
+    online: OnlineSpec | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["modes"] = list(self.modes)
+        return d
+
+    def digest(self) -> str:
+        """Identity of what is run (not of its name): runs with equal digests are interchangeable."""
+        d = self.to_dict()
+        d.pop("key")
+        d.pop("params")
+        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+    def folder(self) -> str:
+        """The run's folder name: from what is run, not from the key, so configs of one digest
+        (e.g. fig9's x1 on both sides, fig13's and fig14's run) share one folder."""
+        w = self.workload
+        name = f"{self.topology}-{w.preset}-{w.agents}a" + (f"-{self.online.aps:g}aps" if self.online else "")
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)[:80] + "-" + self.digest()
+
+    def topology_obj(self):
+        """The validated topology, with the overrides applied (its name says so)."""
+        import yaml
+
+        from testbed.topology import load_topology, parse_topology
+
+        path = TOPOLOGIES / f"{self.topology}.yaml"
+        if not self.topology_overrides:
+            return load_topology(path)
+        raw = yaml.safe_load(path.read_text())
+        raw.update(self.topology_overrides)
+        if "name" not in self.topology_overrides:
+            raw["name"] = self.topology + "".join(f"-{k}{v}" for k, v in sorted(self.topology_overrides.items())
+                                                  if k != "description").replace("_", "")[:60]
+        return parse_topology(raw, source=f"{path} with {self.topology_overrides}")
+
+    def describe(self) -> str:
+        over = f" with {self.topology_overrides}" if self.topology_overrides else ""
+        online = f", Poisson arrivals at {self.online.aps:g} APS (seed {self.online.seed})" if self.online else ""
+        return (f"{self.key}: {self.topology}{over}; modes {','.join(self.modes)}; {self.workload.describe()}"
+                f"{online}; quota {self.quota_ms} ms")
+
+
+@dataclass(frozen=True)
+class OnlineSearch:
+    """After the APS grid, bisect each mode's highest APS meeting the SLO to `rel_tol`."""
+
+    modes: tuple[str, ...]
+    rel_tol: float = 0.1
+    max_probes: int = 6
+
+
+@dataclass
+class Plan:
+    id: str
+    quick: bool
+    configs: list[RunConfig]
+    scale_down: str
+    notes: list[str] = field(default_factory=list)
+    search: OnlineSearch | None = None
+
+    @property
+    def needs_online(self) -> bool:
+        return any(c.online for c in self.configs)
+
+    @property
+    def needs_testbed(self) -> bool:
+        return bool(self.configs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "quick": self.quick, "scale_down": self.scale_down, "notes": self.notes,
+                "needs_online_runner": self.needs_online,
+                "search": asdict(self.search) if self.search else None,
+                "configs": [{**c.to_dict(), "digest": c.digest(), "estimate_s": estimate(c)["total_s"]}
+                            for c in self.configs],
+                "estimate_s": self.estimate_s()}
+
+    def estimate_s(self) -> float:
+        """All configs, plus the bisection probes of an online search (one mode each)."""
+        uniq = {c.digest(): c for c in self.configs}.values()  # configs of one digest are one run
+        total = sum(estimate(c)["total_s"] for c in uniq)
+        if self.search and self.configs:
+            per = max(estimate(c)["total_s"] for c in self.configs)
+            total += len(self.search.modes) * self.search.max_probes * per / max(1, len(self.configs[0].modes))
+        return round(total, 1)
+
+    def lines(self) -> list[str]:
+        size = "quick" if self.quick else "full"
+        runs = len({c.digest() for c in self.configs})
+        out = [f"{self.id} ({size}): {runs} run(s), estimated {_dur(self.estimate_s())}",
+               f"  scale-down: {self.scale_down}"]
+        for c in self.configs:
+            e = estimate(c)
+            per = ", ".join(f"{m} {_dur(t)} ({e['limited_by'][m]})" for m, t in e["per_mode_s"].items())
+            out.append(f"  - {c.describe()}")
+            out.append(f"      ~{_dur(e['total_s'])} in all (verification {_dur(e['verify_s'])}); per mode {per}")
+        if self.search:
+            out.append(f"  then per mode ({', '.join(self.search.modes)}) up to {self.search.max_probes} bisection "
+                       f"runs to {self.search.rel_tol:.0%} of the highest APS under the SLO")
+        if self.needs_online:
+            out.append("  NEEDS THE ONLINE RUNNER (Poisson arrivals in the conductor), which the testbed does not have yet")
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+
+def _dur(s: float) -> str:
+    return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@lru_cache(maxsize=256)
+def _workload_numbers(spec: WorkloadSpec) -> dict[str, Any]:
+    wl = generate(spec.config())
+    per_traj = []
+    turns = []
+    for tr in wl.trajectories:
+        hs = [h for h in turn_hits([tr], RUN_BLOCK_TOKENS)]
+        per_traj.append([(h.hit, h.prompt_len - h.hit, u.gen_len, h.prompt_len) for h, u in zip(hs, tr.turns)])
+        turns += per_traj[-1]
+    return {"per_traj": per_traj, "turns": turns, "hit_tokens": sum(t[0] for t in turns), "requests": len(turns),
+            "prompt_tokens": sum(t[3] for t in turns)}
+
+
+def estimate(cfg: RunConfig) -> dict[str, Any]:
+    """Estimated testbed seconds of one config: per mode, and in all (see the module docstring)."""
+    from testbed.fidelity import payload_share
+
+    topo = cfg.topology_obj()
+    wn = _workload_numbers(cfg.workload)
+    k = topo.dilation(DEMO_KV_BYTES_PER_TOKEN)
+    tgt = topo.target()
+    pc, dc = tgt.prefill_cost(), tgt.decode_cost()
+    p, d, g = topo.spec.prefill_nodes, topo.spec.decode_nodes, topo.g
+    snic = topo.snic_bps / 8 * payload_share(topo.spec.mtu)
+    hit_bytes = wn["hit_tokens"] * DEMO_KV_BYTES_PER_TOKEN
+
+    def chain(turns) -> float:  # emulated s of one trajectory alone
+        return sum(pc.predict([(hit, miss)]) + gen * dc.step_cost([ctx]) for hit, miss, gen, ctx in turns)
+
+    serial = max((chain(t) for t in wn["per_traj"]), default=0.0) * k
+    pe_work = sum(pc.request_cost(hit, miss) for hit, miss, _, _ in wn["turns"]) * k / (p * g)
+    span = 0.0
+    if cfg.online:
+        span = (cfg.workload.agents - 1) / cfg.online.aps * k
+    per_mode, limited = {}, {}
+    for m in cfg.modes:
+        readers = {"P": p, "PD": p + d, "": 0}[READERS.get(m, "P")]
+        io = hit_bytes / (readers * snic) if readers else 0.0
+        chain_s = span + serial
+        t = max(io, chain_s, pe_work)
+        limited[m] = "storage NICs" if t == io else "prefill engines" if t == pe_work else \
+            ("arrivals" if cfg.online else "the longest agent's chain of turns")
+        per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
+    verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(m != "oracle" for m in cfg.modes)
+    total = SETUP_S + sum(per_mode.values()) + verify
+    return {"per_mode_s": per_mode, "limited_by": limited, "verify_s": round(verify, 1), "total_s": round(total, 1),
+            "hit_bytes": hit_bytes, "requests": wn["requests"], "dilation": k}
+
+
+def io_capacity_aps(cfg: RunConfig, mode: str) -> float:
+    """Agents per emulated second the reading storage NICs can serve in `mode` (its I/O bound)."""
+    from testbed.fidelity import payload_share
+
+    topo = cfg.topology_obj()
+    wn = _workload_numbers(replace(cfg.workload))
+    readers = {"P": topo.spec.prefill_nodes, "PD": topo.spec.prefill_nodes + topo.spec.decode_nodes,
+               "": 0}[READERS.get(mode, "P")]
+    if not readers:
+        return math.inf
+    per_agent = wn["hit_tokens"] * DEMO_KV_BYTES_PER_TOKEN / max(1, cfg.workload.agents)
+    snic = topo.snic_bps / 8 * payload_share(topo.spec.mtu)
+    return readers * snic / per_agent * topo.dilation(DEMO_KV_BYTES_PER_TOKEN)

@@ -1,0 +1,247 @@
+"""The reproduction framework: the run-folder loader, the plans and their estimates, the executor
+(with a stand-in runner: no testbed), and the CLI surface."""
+import json
+
+import pytest
+
+from testbed.reproduce import IDS, match_runs, module, online
+from testbed.reproduce import execute as ex
+from testbed.reproduce.plan import OnlineSpec, RunConfig, WorkloadSpec, estimate
+from testbed.reproduce.runs import RunError, find_runs, load_run
+from tests.conftest import dualpath
+from tests.reproduce_helpers import RunFolder, online_run, plan_json, record
+
+
+# ---------------------------------------------------------------------------------------- loader
+
+
+def test_load_run_reads_every_file_by_mode(tmp_path):
+    f = RunFolder(tmp_path / "r", dilation=4.0)
+    f.mode("basic", jct_s=12.5, records=[record(0, 0, arrive=1.0, ttft=0.5, dilation=4.0)],
+           passes=[{"pe": "a", "t_start": 0, "t_end": 1, "loaded": True, "attention_s": 0.2}],
+           links=[{"t": 0.5, "nics": {}}, {"t": 0.25, "nics": {}}])
+    f.mode("dualpath", faithful=False).write(aps=1.5)
+    r = load_run(tmp_path / "r")
+    assert r.dilation == 4.0 and r.modes == ["basic", "dualpath"] and r.jct("basic") == 12.5
+    assert len(r.records("basic")) == 1 and r.records("dualpath") == [] and len(r.passes("basic")) == 1
+    assert [s["t"] for s in r.links("basic")] == [0.25, 0.5]  # by time
+    assert r.emulated(8.0) == 2.0 and r.aps == 1.5 and r.steps("basic") == []
+    assert r.faithful(["basic"]) and not r.faithful() and r.unfaithful() == {"dualpath": [
+        "1 of 9 prefill passes overran (hand-built)"]}
+    assert r.unfaithful(["oracle"]) == {"oracle": ["mode missing from the run"]}
+    with pytest.raises(RunError, match="no mode 'oracle'"):
+        r.mode("oracle")
+
+
+def test_find_runs_and_bad_folders(tmp_path):
+    for i in range(2):
+        RunFolder(tmp_path / "runs" / f"r{i}").mode("basic").write()
+    assert len(find_runs([tmp_path / "runs"])) == 2
+    assert len(find_runs([tmp_path / "runs" / "r0", tmp_path / "runs"])) == 2  # each once
+    with pytest.raises(RunError, match="no run folder"):
+        find_runs([tmp_path / "empty-does-not-exist"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "summary.json").write_text("{")
+    with pytest.raises(RunError, match="not JSON"):
+        load_run(tmp_path / "bad")
+
+
+def test_match_runs_by_digest_then_key(tmp_path):
+    plan = module("fig9").plan(True)
+    cfg = plan.configs[0]  # append x1: the same digest as gen x1
+    RunFolder(tmp_path / "a").mode("basic").write(plan=plan_json(cfg))
+    RunFolder(tmp_path / "b").mode("basic").write(plan={"key": "somewhere/else", "digest": "0"})
+    got, rest = match_runs(plan, find_runs([tmp_path]))
+    assert set(got) == {"fig9/appendx1", "fig9/genx1"} and [r.path.name for r in rest] == ["b"]
+
+
+# ---------------------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("fig_id", IDS)
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_plan_is_runnable_as_written(fig_id, quick):
+    from testbed.conductor import MODES
+
+    plan = module(fig_id).plan(quick)
+    assert plan.id == fig_id and plan.scale_down
+    for cfg in plan.configs:
+        assert set(cfg.modes) <= set(MODES), cfg.key
+        topo = cfg.topology_obj()  # validates, overrides included
+        assert topo.emulated and topo.in_bottleneck_free_range(), cfg.key
+        cfg.workload.config()  # a valid generator config
+        assert cfg.folder().endswith(cfg.digest())
+    assert len({c.key for c in plan.configs}) == len(plan.configs)
+    assert plan.needs_online == (fig_id in ("fig10", "fig11", "fig12"))
+
+
+@pytest.mark.parametrize("fig_id", IDS)
+def test_quick_plans_are_estimated_within_ten_minutes(fig_id):
+    assert module(fig_id).plan(True).estimate_s() <= 600
+
+
+def test_fig13_and_fig14_share_their_run():
+    assert [c.digest() for c in module("fig13").plan(True).configs] == [c.digest() for c in module("fig14").plan(True).configs]
+
+
+def test_estimate_of_the_demo_matches_the_readme():
+    """The README: the demo (24 agents, 5 modes on 1p1d-io) takes about two and a half minutes."""
+    cfg = RunConfig("demo", "1p1d-io", ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle"), WorkloadSpec())
+    e = estimate(cfg)
+    assert 100 <= e["total_s"] <= 225 and e["requests"] == 234
+    assert e["limited_by"]["basic"] == "storage NICs" and e["per_mode_s"]["basic"] > 1.8 * (e["per_mode_s"]["dualpath"] - 2)
+
+
+def test_workload_knobs():
+    base = WorkloadSpec(preset="64K", scale=32, agents=3)
+    c = base.config()
+    assert c.max_len == 2048 and c.n_trajectories == 3 and c.append_mean == pytest.approx(429 / 32)
+    c2 = WorkloadSpec(preset="64K", scale=32, agents=3, append_scale=2, gen_scale=4, turns_scale=2).config()
+    assert c2.append_mean == pytest.approx(2 * c.append_mean) and c2.gen_mean == pytest.approx(4 * c.gen_mean)
+    assert c2.turns_mean == pytest.approx(c.turns_mean / 2) and any("appends x2" in n for n in c2.notes)
+    demo = WorkloadSpec(agents=5, first_turn_tokens=100).config()
+    assert demo.name == "demo" and demo.first_append_len == 100 and demo.n_trajectories == 5
+
+
+def test_online_workload_gets_arrivals_in_testbed_seconds():
+    cfg = RunConfig("o", "1p1d-io", ("basic",), WorkloadSpec(agents=5), online=OnlineSpec(aps=2.0, seed=1))
+    wl = ex.build_workload(cfg, dilation=3.0)
+    arr = [t.arrival_s for t in wl.trajectories]
+    from dualpath.workload import poisson_arrivals
+
+    assert arr == pytest.approx([3.0 * a for a in poisson_arrivals(5, 2.0, seed=1)])
+
+
+# ---------------------------------------------------------------------------------------- executor
+
+
+def fake_runner(calls):
+    def run(cfg, run_dir, command, progress):
+        calls.append(cfg.key)
+        f = RunFolder(run_dir)
+        for m in cfg.modes:
+            f.mode(m, jct_s=10.0)
+        f.write(plan=plan_json(cfg))
+        return load_run(run_dir)
+
+    return run
+
+
+def test_execute_runs_each_digest_once_and_reuses_faithful_runs(tmp_path):
+    plan = module("fig9").plan(True)
+    calls = []
+    runs, missing = ex.execute(plan, tmp_path, runner=fake_runner(calls), progress=lambda m: None)
+    assert not missing and set(runs) == {c.key for c in plan.configs}
+    assert len(calls) == 3  # append x1 and gen x1 are one run
+    again = []
+    ex.execute(plan, tmp_path, runner=fake_runner(again), progress=lambda m: None)
+    assert again == []
+    ex.execute(plan, tmp_path, runner=fake_runner(again), progress=lambda m: None, fresh=True)
+    assert len(again) == 3
+
+
+def test_execute_reports_online_configs_missing_without_the_runner(tmp_path, monkeypatch):
+    monkeypatch.setattr(ex, "online_ready", lambda: False)
+    calls = []
+
+    def runner(cfg, run_dir, command, progress):
+        if cfg.online:
+            return ex.run_config(cfg, run_dir, command, progress)  # raises before touching anything
+        return fake_runner(calls)(cfg, run_dir, command, progress)
+
+    plan = module("fig12").plan(True)
+    runs, missing = ex.execute(plan, tmp_path, runner=runner, progress=lambda m: None)
+    assert set(runs) == {"fig12/ladder/demo-24"} and calls == ["fig12/ladder/demo-24"]
+    assert set(missing) == {c.key for c in plan.configs if c.online}
+    assert all("online runner" in why for why in missing.values())
+
+
+def test_execute_bisects_the_highest_aps_under_the_slo(tmp_path):
+    """With an online runner (stood in here), the grid is refined per mode between pass and fail."""
+    caps = {"basic": 2.0, "dualpath": 3.0}
+
+    def runner(cfg, run_dir, command, progress):
+        aps = cfg.online.aps
+        online_run(run_dir, aps, {m: aps > caps[m] for m in cfg.modes}).write(plan=plan_json(cfg), aps=aps)
+        return load_run(run_dir)
+
+    plan = online.online_plan("fig10", quick=True)
+    plan.search = online.OnlineSearch(("basic", "dualpath"), rel_tol=0.05, max_probes=6)
+    runs, missing = ex.execute(plan, tmp_path, runner=runner, progress=lambda m: None)
+    assert not missing
+    got = online.capacities(online.curves(runs))
+    assert caps["basic"] * 0.95 <= got["basic"] <= caps["basic"]
+    assert caps["dualpath"] * 0.95 <= got["dualpath"] <= caps["dualpath"]
+    probes = [k for k in runs if k.startswith("online/basic/")]
+    assert probes and all(runs[k].modes == ["basic"] for k in probes)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_list_prints_one_id_per_line():
+    r = dualpath("reproduce", "--list")
+    assert r.returncode == 0 and r.stdout.split("\n")[:-1] == list(IDS)
+
+
+def test_cli_table1_writes_its_folder(tmp_path):
+    r = dualpath("reproduce", "table1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    (folder,) = (tmp_path / "table1").iterdir()
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["id"] == "table1" and s["command"] == f"dualpath reproduce table1 --out {tmp_path}"
+    assert "Qwen2.5-32B @ 64K context (GB/PFLOP): testbed 267.2, paper 267" in r.stdout
+
+
+def test_cli_plan_runs_nothing():
+    r = dualpath("reproduce", "fig10", "--quick", "--plan")
+    assert r.returncode == 0 and "NEEDS THE ONLINE RUNNER" in r.stdout and "estimated" in r.stdout
+
+
+def test_cli_analyses_given_runs_without_root(tmp_path):
+    from tests.test_reproduce_balance import balance_run
+
+    balance_run(tmp_path / "runs" / "r")
+    r = dualpath("reproduce", "fig14", "--quick", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fig14: FAITHFUL" in r.stdout and "fig14.png" in r.stdout
+
+
+def test_cli_unknown_id_is_one_line():
+    r = dualpath("reproduce", "fig99")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--list" in r.stderr
+
+
+def test_cli_online_figure_without_the_runner_says_so(tmp_path):
+    """Every config of fig11 is online: with no online runner nothing runs (no testbed), and the
+    folder says what is missing and why."""
+    if ex.online_ready():
+        pytest.skip("the online runner exists: this would run the testbed")
+    r = dualpath("reproduce", "fig11", "--quick", "--out", str(tmp_path))
+    assert r.returncode == 1 and "no run available" in r.stdout and "online runner" in r.stdout
+    (folder,) = (tmp_path / "fig11").iterdir()
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["faithful"] is False and s["complete"] is False and s["pngs"] == [] and s["runs"] == []
+    report = (folder / "report.md").read_text()
+    assert "No run was available" in report and "estimated" in report and "full size" in report
+
+
+def test_plain_run_folders_match_by_topology_modes_and_workload(tmp_path):
+    """`make demo` and the README's scheduler experiment, run by hand, feed fig12 right and fig13."""
+    demo = RunFolder(tmp_path / "demo", topology="1p1d-io")
+    for m in ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle"):
+        demo.mode(m)
+    demo.summary.update(trajectories=24, first_turn_tokens=0)
+    demo.write()
+    sched = RunFolder(tmp_path / "sched", topology="2p1d-io")
+    for m in ("dualpath-rr", "dualpath", "dualpath-split"):
+        sched.mode(m)
+    sched.summary.update(trajectories=24, first_turn_tokens=1024)
+    sched.write()
+    runs = find_runs([tmp_path])
+    got, rest = match_runs(module("fig12").plan(True), runs)
+    assert set(got) == {"fig12/ladder/demo-24"} and got["fig12/ladder/demo-24"].path.name == "demo"
+    got, _ = match_runs(module("fig13").plan(True), runs)
+    assert got["scheduler/2p1d-io/24"].path.name == "sched"
+    got, _ = match_runs(module("fig13").plan(False), runs)  # 48 agents: the 24-agent run does not fit
+    assert got == {}

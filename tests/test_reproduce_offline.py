@@ -1,0 +1,180 @@
+"""fig7, fig8, fig9 and fig12 right: offline JCTs from hand-built run folders with known answers."""
+import json
+
+import pytest
+
+from testbed.reproduce import module, reproduce_id
+from testbed.reproduce.fig12 import ladder_configs
+from tests.reproduce_helpers import is_valid_png, runs_for_plan
+
+QUIET = dict(command="test", run_id="x", progress=lambda m: None)
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def heads(s):
+    return {h["name"]: h for h in s["headline"]}
+
+
+def check_interface(out, s, fig_id):
+    assert s["id"] == fig_id
+    assert s["pngs"] and all(is_valid_png(out / p) for p in s["pngs"])
+    for h in s["headline"]:
+        assert set(h) == {"name", "testbed", "paper", "bound"}
+    assert "Produced by `test`" in (out / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------- fig7
+
+FIG7_JCT = {"basic": 100.0, "dualpath": 50.0, "oracle": 40.0}
+
+
+def fig7_jct(cfg, mode):
+    return FIG7_JCT[mode] * cfg.params["agents"] / 4
+
+
+def test_fig7_speedups_from_the_runs(tmp_path):
+    plan = module("fig7").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig7_jct, bound=lambda c: 2.0)
+    out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    check_interface(out, s, "fig7")
+    assert s["faithful"] is True and s["complete"] is True
+    assert s["pngs"] == ["fig7_64K.png"]
+    for c in s["cells"]:
+        assert c["speedup"] == pytest.approx(2.0) and c["dualpath_over_oracle"] == pytest.approx(1.25)
+        assert c["jct_s"]["basic"] == pytest.approx(25.0 * c["agents"])
+    h = heads(s)["MaxLen 64K, 24 agents: DualPath speed-up over Basic (x)"]
+    assert h == {"name": h["name"], "testbed": 2.0, "paper": 1.78, "bound": 2.0}
+    assert heads(s)["MaxLen 64K, 4 agents: DualPath speed-up over Basic (x)"]["paper"] is None
+
+
+def test_fig7_unfaithful_when_one_run_is(tmp_path):
+    plan = module("fig7").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig7_jct, unfaithful={plan.configs[0].key})
+    out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    assert s["faithful"] is False
+    assert "NOT FAITHFUL" in (out / "report.md").read_text() and "overran" in (out / "report.md").read_text()
+
+
+def test_fig7_missing_runs_are_reported(tmp_path):
+    plan = module("fig7").plan(True)
+    plan.configs = plan.configs[:1]
+    runs_for_plan(tmp_path / "runs", plan, fig7_jct)
+    out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    assert s["complete"] is False and list(s["missing"]) == ["fig7/64K/agents=24"]
+    assert len(s["cells"]) == 1
+
+
+# ---------------------------------------------------------------------------------------- fig8
+
+# Storage NICs reading: basic reads on P nodes, dualpath on P + D; JCT = 120 / readers.
+READERS = {("1P1D", "basic"): 1, ("1P1D", "dualpath"): 2, ("1P2D", "basic"): 1, ("1P2D", "dualpath"): 3,
+           ("2P1D", "basic"): 2, ("2P1D", "dualpath"): 3}
+
+
+def fig8_jct(cfg, mode):
+    return 120.0 / READERS[(cfg.params["pd"], mode)]
+
+
+def test_fig8_equal_bandwidth_pairs(tmp_path):
+    plan = module("fig8").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig8_jct)
+    out, res = reproduce_id("fig8", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    check_interface(out, s, "fig8")
+    assert s["pngs"] == ["fig8_jct.png", "fig8_speedup.png"] and s["faithful"] is True
+    eq = s["equalities"]
+    assert eq["basic_1p1d_over_basic_1p2d"] == pytest.approx(1.0)
+    assert eq["dualpath_1p1d_over_basic_2p1d"] == pytest.approx(1.0)
+    assert eq["dualpath_2p1d_over_dualpath_1p2d"] == pytest.approx(1.0)
+    sp = {c["pd"]: c for c in s["configs"]}
+    assert sp["1P2D"]["speedup"] == pytest.approx(3.0) and sp["2P1D"]["speedup"] == pytest.approx(1.5)
+    # no speedup_bound in these summaries: the bound falls back to (P+D)/P from the topology
+    assert sp["1P2D"]["bound"] == pytest.approx(3.0) and sp["2P1D"]["bound"] == pytest.approx(1.5)
+    assert heads(s)["mean DualPath speed-up over the P/D ratios (x)"]["testbed"] == pytest.approx((2 + 3 + 1.5) / 3, rel=1e-3)
+
+
+def test_fig8_common_storage_nic(tmp_path):
+    """1p1d-io runs with the other two's storage NIC ratio."""
+    cfg = {c.params["pd"]: c for c in module("fig8").plan(False).configs}
+    rates = {pd: c.topology_obj().snic_bps for pd, c in cfg.items()}
+    assert len(set(rates.values())) == 1
+    assert cfg["1P1D"].topology_obj().name != "1p1d-io"  # the override shows in the name
+
+
+def test_fig8_unfaithful_when_one_run_is(tmp_path):
+    plan = module("fig8").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig8_jct, unfaithful={"fig8/2P1D"})
+    out, _ = reproduce_id("fig8", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert summary(out)["faithful"] is False
+
+
+# ---------------------------------------------------------------------------------------- fig9
+
+
+def fig9_jct(cfg, mode):
+    s = cfg.params["scale"]
+    # Basic approaches DualPath as the scale grows: speed-up 2 at x1, 1.25 at x4
+    return {"basic": 100.0 if s == 1 else 50.0, "dualpath": 50.0 if s == 1 else 40.0, "oracle": 30.0}[mode]
+
+
+def test_fig9_speedups_and_their_trend(tmp_path):
+    plan = module("fig9").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig9_jct)
+    # the x1 configs of both sides are one run (one digest)
+    assert len(list((tmp_path / "runs").iterdir())) == 3
+    out, res = reproduce_id("fig9", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    check_interface(out, s, "fig9")
+    assert s["pngs"] == ["fig9_append.png", "fig9_gen.png"] and s["complete"] is True
+    h = heads(s)
+    assert h["append x1: DualPath speed-up over Basic (x)"]["testbed"] == pytest.approx(2.0)
+    assert h["append x1: DualPath speed-up over Basic (x)"]["paper"] == 1.99
+    assert h["append x4: DualPath speed-up over Basic (x)"]["testbed"] == pytest.approx(1.25)
+    assert h["append x4: DualPath speed-up over Basic (x)"]["paper"] == 1.82
+    assert s["speedup_change"] == {"append": pytest.approx(-0.75), "gen": pytest.approx(-0.75)}
+
+
+def test_fig9_unfaithful_when_one_run_is(tmp_path):
+    plan = module("fig9").plan(True)
+    runs_for_plan(tmp_path / "runs", plan, fig9_jct, unfaithful={"fig9/genx4"})
+    out, _ = reproduce_id("fig9", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert summary(out)["faithful"] is False
+
+
+# ---------------------------------------------------------------------------------------- fig12 right
+
+LADDER_JCT = {"basic": 100.0, "layerwise": 80.0, "dualpath-rr": 60.0, "dualpath": 55.0, "oracle": 50.0}
+
+
+def test_fig12_right_ladder_reductions(tmp_path):
+    class P:  # only the ladder's runs; the online part has none (no online runner)
+        configs = ladder_configs(True)
+
+    runs_for_plan(tmp_path / "runs", P, lambda c, m: LADDER_JCT[m], bound=lambda c: 2.0)
+    out, res = reproduce_id("fig12", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    check_interface(out, s, "fig12")
+    assert s["pngs"] == ["fig12_right.png"]  # no left panel without online runs
+    assert s["complete"] is False and all(k.startswith("online/") for k in s["missing"])
+    assert s["faithful"] is True  # every run used was faithful
+    h = heads(s)
+    r = h["right: +Layerwise mean JCT reduction vs Basic (share)"]
+    assert r["testbed"] == pytest.approx(0.2) and r["paper"] == 0.1721 and r["bound"] == pytest.approx(0.5)
+    assert h["right: DualPath mean JCT reduction vs Basic (share)"]["testbed"] == pytest.approx(0.45)
+    assert h["right: +DualPath (round-robin) mean JCT reduction vs Basic (share)"]["paper"] == 0.3819
+    assert "online runner" in (out / "report.md").read_text()
+
+
+def test_fig12_right_unfaithful_when_the_ladder_is(tmp_path):
+    class P:
+        configs = ladder_configs(True)
+
+    runs_for_plan(tmp_path / "runs", P, lambda c, m: LADDER_JCT[m], unfaithful={P.configs[0].key})
+    out, _ = reproduce_id("fig12", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert summary(out)["faithful"] is False

@@ -1,0 +1,164 @@
+"""Online serving (fig10, fig11, fig12 left): the SLO, the steady-state rule and the APS search on
+hand-built run folders whose requests carry their own arrival times (the online runner does not exist yet)."""
+import json
+
+import pytest
+
+from testbed.reproduce import online, reproduce_id
+from testbed.reproduce.fig12 import ttft_breakdown
+from tests.reproduce_helpers import RunFolder, is_valid_png, online_run
+
+QUIET = dict(command="test", run_id="x", progress=lambda m: None)
+K = 2.0  # dilation of the hand-built runs
+
+
+def reqs(ttfts, gap=1.0, tpot=0.04):
+    """One request per TTFT, arriving gap emulated s apart (as online.requests() returns them)."""
+    return [{"trajectory": i, "turn": 0, "arrive": i * gap, "done": i * gap + t + 1, "ttft": t, "ttst": t + 0.05,
+             "tpot": tpot, "error": False} for i, t in enumerate(ttfts)]
+
+
+# ---------------------------------------------------------------------------------------- the rule
+
+
+def test_steady_low_ttft_meets_the_slo():
+    v = online.slo_verdict(reqs([0.5, 0.6] * 40))
+    assert v["meets"] and v["steady"] and v["ttft_ok"] and v["tpot_ok"]
+
+
+def test_a_rising_ttft_is_not_steady_even_under_the_slo():
+    """A queue that grows: TTFT climbs from 0.5 to 3.5 s, still under 4 s when the run ends."""
+    v = online.slo_verdict(reqs([0.5 + 3.0 * i / 79 for i in range(80)]))
+    assert v["ttft_ok"] and not v["steady"] and not v["meets"]
+    assert any("still rising" in r for r in v["reasons"])
+
+
+def test_small_fluctuations_far_below_the_slo_are_steady():
+    """TTFTs around 0.1 s vary by far more than 5 % without a queue building."""
+    v = online.slo_verdict(reqs([0.08, 0.12, 0.1, 0.15] * 20))
+    assert v["steady"] and v["meets"]
+
+
+def test_a_window_over_the_slo_fails_and_the_warm_up_is_left_out():
+    assert not online.slo_verdict(reqs([1.0] * 60 + [5.0] * 10 + [1.0] * 30))["ttft_ok"]
+    # a slow start inside the warm-up share (first 20 % of the arrivals) is not measured
+    assert online.slo_verdict(reqs([6.0] * 10 + [1.0] * 90))["meets"]
+
+
+def test_tpot_over_the_slo_and_failed_requests_fail():
+    assert not online.slo_verdict(reqs([0.5] * 50, tpot=0.06))["tpot_ok"]
+    r = reqs([0.5] * 50)
+    r[-1]["error"] = True
+    assert not online.slo_verdict(r)["meets"]
+
+
+def test_agent_jct_is_last_end_minus_first_arrival():
+    r = [{"trajectory": 0, "arrive": 1.0, "done": 3.0}, {"trajectory": 0, "arrive": 3.0, "done": 7.5},
+         {"trajectory": 1, "arrive": 2.0, "done": 4.0}]
+    assert sorted(online.agent_jcts(r)) == [2.0, 6.5]
+
+
+# ---------------------------------------------------------------------------------------- the search
+
+
+def test_capacity_needs_every_lower_probe_to_pass():
+    assert online.capacity([(1, True), (2, True), (3, False), (4, True)]) == 2
+    assert online.capacity([(1, False), (2, True)]) is None
+    assert online.capacity([]) is None
+
+
+def test_bisect_next_halves_the_bracket():
+    assert online.bisect_next([(1, True), (3, False)]) == 2
+    assert online.bisect_next([(2, True)]) == 4  # no fail yet: go up
+    assert online.bisect_next([(2, False)]) == 1  # no pass yet: go down
+    assert online.bisect_next([(2, True), (2.1, False)], rel_tol=0.1) is None
+
+
+def test_search_converges_on_a_threshold():
+    cap, pts = online.search(lambda aps: aps <= 2.7, [(1.0, True), (4.0, False)], rel_tol=0.05, max_probes=10)
+    assert 2.7 * 0.95 <= cap <= 2.7
+    assert len(pts) <= 12
+
+
+# ---------------------------------------------------------------------------------------- run folders
+
+
+def write_online_runs(root, unfaithful_at=None):
+    # basic meets the SLO up to 2 APS, dualpath up to 3 APS
+    for aps in (1.0, 2.0, 3.0, 4.0):
+        f = online_run(root / f"aps{aps:g}", aps, {"basic": aps > 2, "dualpath": aps > 3}, dilation=K)
+        if aps == unfaithful_at:
+            f.summary["modes"]["basic"]["faithful"] = False
+        f.write(aps=aps)
+    return root
+
+
+def test_fig10_capacities_from_the_runs(tmp_path):
+    write_online_runs(tmp_path / "runs")
+    out, res = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["capacity_aps"] == {"basic": 2.0, "dualpath": 3.0} and s["complete"] is True
+    h = {x["name"]: x for x in s["headline"]}
+    ratio = next(v for k, v in h.items() if k.startswith("DualPath / Basic"))
+    assert ratio["testbed"] == pytest.approx(1.5) and ratio["paper"] == 1.67 and ratio["bound"] == 2.0
+    assert s["pngs"] == ["fig10_ttft.png", "fig10_ttst.png", "fig10_tpot.png"]
+    assert all(is_valid_png(out / p) for p in s["pngs"]) and s["faithful"] is True
+    basic = {p["aps"]: p for p in s["curves"]["basic"]}
+    assert basic[1.0]["ttft"]["mean"] == pytest.approx(0.5) and basic[1.0]["tpot"]["mean"] == pytest.approx(0.04)
+
+
+def test_fig10_unfaithful_when_one_run_is(tmp_path):
+    write_online_runs(tmp_path / "runs", unfaithful_at=3.0)
+    out, _ = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert json.loads((out / "summary.json").read_text())["faithful"] is False
+
+
+def test_fig10_without_online_runs_says_it_needs_the_runner(tmp_path):
+    (tmp_path / "runs").mkdir()
+    RunFolder(tmp_path / "runs" / "offline").mode("basic").write()  # no APS: not an online run
+    out, res = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["faithful"] is False and s["complete"] is False and s["pngs"] == []
+    assert "online runner" in (out / "report.md").read_text()
+    assert all(h["testbed"] is None for h in s["headline"])
+
+
+def test_fig11_mean_jct_per_agent(tmp_path):
+    write_online_runs(tmp_path / "runs")
+    out, _ = reproduce_id("fig11", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["pngs"] == ["fig11.png"] and is_valid_png(out / "fig11.png")
+    assert s["common_aps"] == 2.0
+    b = {p["aps"]: p for p in s["curves"]["basic"]}
+    # single-turn agents: JCT = TTFT + the 2 s after the first token
+    assert b[1.0]["jct_mean"] == pytest.approx(0.5 + 2.0)
+
+
+# ---------------------------------------------------------------------------------------- fig12 left
+
+
+def test_ttft_breakdown_of_a_hand_built_timeline():
+    r = {"t_arrive": 1.0, "t_read_start": 2.0, "t_read_end": 4.5, "t_prefill_start": 5.0, "t_first_token": 6.0}
+    assert ttft_breakdown(r, dilation=2.0) == {"queue": 0.5, "alloc": 0.0, "read": 1.5, "prefill": 0.5}
+    assert ttft_breakdown({**r, "t_routed": 1.5}, dilation=2.0) == {"queue": 0.25, "alloc": 0.25, "read": 1.5,
+                                                                      "prefill": 0.5}
+    # no read (oracle, or nothing hit): the read part is 0 and the rest is queue
+    b = ttft_breakdown({**r, "t_read_start": 0.0, "t_read_end": 0.0}, dilation=2.0)
+    assert b == {"queue": 2.0, "alloc": 0.0, "read": 0.0, "prefill": 0.5}
+    assert sum(b.values()) == pytest.approx((6.0 - 1.0) / 2.0)
+
+
+def test_fig12_left_read_grows_for_basic_only(tmp_path):
+    write_online_runs(tmp_path / "runs")
+    out, _ = reproduce_id("fig12", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    assert "fig12_left.png" in s["pngs"] and is_valid_png(out / "fig12_left.png")
+    left = {m: {p["aps"]: p for p in pts} for m, pts in s["left"].items()}
+    # basic's read is 0.3 x its TTFT, which rises above 2 APS; dualpath's read is a flat 0.1 s
+    assert left["dualpath"][1.0]["read"] == pytest.approx(0.1) and left["dualpath"][4.0]["read"] == pytest.approx(0.1)
+    assert left["basic"][4.0]["read"] > 2 * left["basic"][1.0]["read"]
+    for pts in left.values():
+        for p in pts.values():
+            assert p["split_queue_alloc"] is False and p["alloc"] == 0.0
+    h = {x["name"]: x for x in s["headline"]}
+    assert next(v for k, v in h.items() if k.startswith("left: DualPath"))["testbed"] == pytest.approx(1.0)
