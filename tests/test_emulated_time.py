@@ -93,14 +93,23 @@ def test_lateness_margin():
     assert PassTiming(held_s=0.005, late_s=0.0011).overran
 
 
-def test_hold_on_a_late_pass_returns_now_and_records_the_lateness():
+def test_a_late_window_is_caught_up_by_the_next_and_only_the_end_is_judged():
     vt = VirtualTime()
     clock = DeviceClock(2.0, now=vt.now, sleep=vt.sleep)
     t = PassTiming()
     start = vt.t
-    vt.t += 0.5  # the compute took 0.5 s; its window is 0.1 * 2 = 0.2 s
-    assert clock.hold(start, 0.1, t) == pytest.approx(start + 0.5)
-    assert t.late_s == pytest.approx(0.3) and t.held_s == pytest.approx(0.2) and t.overran
+    vt.t += 0.3  # layer 0's compute took 0.3 s; its window is 0.1 * 2 = 0.2 s
+    end = clock.hold(start, 0.1, t)
+    assert end == pytest.approx(start + 0.2)  # the schedule, not now
+    vt.t += 0.05  # layer 1 computes quickly...
+    end = clock.hold(end, 0.1, t)  # ...and its window (ending at +0.4) absorbs the lag
+    assert vt.t == pytest.approx(start + 0.4)
+    clock.finish(end, t)
+    assert t.late_s == 0 and t.held_s == pytest.approx(0.4)
+    vt.t += 0.5  # a last layer that runs 0.5 s past its 0.2 s window
+    end = clock.hold(end, 0.1, t)
+    clock.finish(end, t)
+    assert t.late_s == pytest.approx(0.5 - 0.2) and t.overran  # ran past its window by 0.3 s
 
 
 def test_decode_batches_every_ready_request_and_each_step_lasts_its_cost(model, geom):

@@ -70,18 +70,31 @@ class DeviceClock:
         now = self.now()
         if not self.emulated:
             return now
-        held = emulated_s * self.dilation
-        end = start + held
-        timing.emulated_s += emulated_s
-        timing.held_s += held
+        end = self.window(start, emulated_s, timing)
         if now > end:
             timing.late_s += now - end
             return now
         return end
 
+    def window(self, start: float, emulated_s: float, timing: PassTiming) -> float:
+        """Schedule a window of emulated_s target seconds from `start`; returns its end."""
+        held = emulated_s * self.dilation
+        timing.emulated_s += emulated_s
+        timing.held_s += held
+        return start + held
+
     def hold(self, start: float, emulated_s: float, timing: PassTiming) -> float:
-        """`deadline`, then wait for it; returns the finish time."""
-        end = self.deadline(start, emulated_s, timing)
+        """Schedule a window (see `window`) and wait until it ends; returns its scheduled end,
+        even when the compute ran past it, so that a later window can catch the time up. The
+        caller judges lateness where it matters (`finish`)."""
+        if not self.emulated:
+            return self.now()
+        end = self.window(start, emulated_s, timing)
         while (left := end - self.now()) > 0:
             self._sleep(left)
         return end
+
+    def finish(self, end: float, timing: PassTiming) -> None:
+        """The work whose schedule ended at `end` is done now: record how late it is."""
+        if self.emulated:
+            timing.late_s += max(0.0, self.now() - end)
