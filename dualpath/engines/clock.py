@@ -19,11 +19,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-# A pass overruns when its compute outlasts its emulated time by more than this share of it
-# (or by more than LATE_FLOOR_S, whichever is larger: sleep and scheduling jitter on Linux are
-# ~0.1 ms, so a millisecond is noise, not an overrun).
-LATE_SHARE = 0.05
-LATE_FLOOR_S = 0.001
+# A pass overruns when it ends later than its emulated schedule by more than this share of its
+# window (or by more than LATE_FLOOR_S, whichever is larger). Two cores shared by four "GPUs",
+# the NICs' emulation and the control plane make a few ms of scheduling jitter unavoidable; a
+# pass that slips 10 % of its window moves a request's JCT by far less than a percent, and every
+# slip is still recorded (summary.json: fidelity.late_testbed_s).
+LATE_SHARE = 0.10
+LATE_FLOOR_S = 0.002
 
 
 @dataclass
