@@ -294,8 +294,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                          "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
                          "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),
                          "mean_decode_batch": round(sum(x["n"] for x in res.steps) / len(res.steps), 2) if res.steps else None,
-                         "late_testbed_s": round(sum(b["timing"]["late_s"] for b in res.batches)
+                         "late_testbed_s": round(late := sum(b["timing"]["late_s"] for b in res.batches)
                                                  + sum(x["late_s"] for x in res.steps), 4),
+                         "late_share_of_jct": round(late / res.jct_s, 5) if res.jct_s else None,
                          "storage_nics": [u.to_dict() for u in res.links],
                          "cpu_by_thread": res.cpu_threads},
         }
