@@ -110,7 +110,7 @@ class PrefillJob:
         self.tags.append(tag)
         reads = self.first_reads if first else (PastRead(self.dst, 0, self.n_past),)
         return dict(request=self.rec.request, tokens=self.prompt[self.n_past:self.n_past + n_new],
-                    n_hit=self.n_past, mode=self.plan.connector, reads=[r.to_msg() for r in reads],
+                    n_past=self.n_past, mode=self.plan.connector, reads=[r.to_msg() for r in reads],
                     forward_past=self.plan.forward_past if first else 0,
                     past_crcs=None if first else self.crcs, tag=tag,
                     last=self.n_past + n_new == len(self.prompt),

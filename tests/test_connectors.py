@@ -108,7 +108,7 @@ def test_the_de_area_ends_with_the_recomputed_kv_on_every_path(model, geom, ref,
     assert read_from == {"p0": pe_blocks * 16 * bpt, "d0": (N_HIT_BLOCKS - pe_blocks) * 16 * bpt}
     assert [m for _, m in agent.notifs] == [f"r/c0/L{layer}" for layer in range(geom.n_layer)]
     # layerwise keeps about one layer of hit KV in HBM; basic all of them
-    one_layer = plan.n_hit * geom.bytes_per_token_per_layer
+    one_layer = plan.n_hit * geom.bytes_per_token_per_layer  # the first pass's past: the hits
     assert conn.stats.peak_hit_bytes == (2 if connector_cls is LayerwiseConnector else geom.n_layer) * one_layer
 
 

@@ -48,7 +48,7 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
     if clock.emulated:
         if cost is None:
             raise ValueError("an emulated clock needs the target's prefill cost model")
-        layer_s = cost.predict((plan.n_hit, len(tokens)) for tokens, plan, _ in items) / n_layer
+        layer_s = cost.predict((plan.n_past, len(tokens)) for tokens, plan, _ in items) / n_layer
     timing = PassTiming()
     xs = [model.embed(tokens) for tokens, _, _ in items]
     compute = [0.0] * len(items)
@@ -68,7 +68,7 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
             for i, (_, plan, _) in enumerate(items):
                 c0, u0 = time.perf_counter(), time.thread_time()
                 pk, pv = pasts[i] if pasts[i] is not None else (None, None)
-                xs[i], k, v = model.layer_forward(layer, xs[i], plan.n_hit, pk, pv)
+                xs[i], k, v = model.layer_forward(layer, xs[i], plan.n_past, pk, pv)
                 compute[i] += time.perf_counter() - c0
                 compute_cpu[i] += time.thread_time() - u0
                 new_kv.append((k, v))
@@ -85,6 +85,6 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
     timing.compute_wall_s, timing.compute_cpu_s = sum(compute), sum(compute_cpu)
     out = []
     for i, (tokens, plan, _) in enumerate(items):
-        logits = model.logits(xs[i][-1:], plan.n_hit + len(tokens) - 1)
+        logits = model.logits(xs[i][-1:], plan.n_past + len(tokens) - 1)
         out.append(PrefillOutcome(int(torch.argmax(logits[-1])), compute[i], compute_cpu[i]))
     return out, timing

@@ -12,7 +12,7 @@ path feeds it. The implementations:
 - BasicConnector: the PE path with every layer loaded up front (not layerwise).
 - OracleConnector: nothing moves (all I/O skipped; the past KV is zeros).
 
-Each connector keeps "HBM" honest: hit KV occupies the engine's registered
+Each connector keeps "HBM" honest: past KV occupies the engine's registered
 memory only between its load and its last use, and the peak is reported.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ class PastRead:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """One prefill pass of a request: n_hit tokens of past KV, n_miss new tokens.
+    """One prefill pass of a request: n_past tokens of past KV, n_new tokens to compute.
 
     The past is the stored hits, plus, for a later chunk of a chunked prefill, the
     tokens earlier passes computed. `reads` say where each part of it is: the PE
@@ -61,12 +61,12 @@ class LoadPlan:
     """
 
     request: str
-    n_hit: int
-    n_miss: int
+    n_past: int
+    n_new: int
     reads: tuple[PastRead, ...]
     dst: Span | None  # the request's area in the DE buffer
     forward_past: int = 0
-    # CRC-32C per layer of past rows [0, n_hit) as an earlier pass wrote them: a layer that
+    # CRC-32C per layer of past rows [0, n_past) as an earlier pass wrote them: a layer that
     # does not match (a WRITE not fully applied yet) is read again, bounded by the timeout
     past_crcs: tuple[int, ...] | None = None
     tag: str = ""  # names this pass in its notifications: f"{request}{tag}/L{layer}"
@@ -78,10 +78,10 @@ class LoadPlan:
             if a != at:
                 break
             at = b
-        if at != self.n_hit or len(covered) != len([r for r in self.reads if r.n]):
-            raise ValueError(f"request {self.request}: reads {covered} must tile past rows [0, {self.n_hit})")
-        if not 0 <= self.forward_past <= self.n_hit:
-            raise ValueError(f"request {self.request}: forward_past {self.forward_past} outside [0, {self.n_hit}]")
+        if at != self.n_past or len(covered) != len([r for r in self.reads if r.n]):
+            raise ValueError(f"request {self.request}: reads {covered} must tile past rows [0, {self.n_past})")
+        if not 0 <= self.forward_past <= self.n_past:
+            raise ValueError(f"request {self.request}: forward_past {self.forward_past} outside [0, {self.n_past}]")
 
     @property
     def notif_prefix(self) -> str:
@@ -93,9 +93,9 @@ class ConnectorStats:
     read_bytes: int = 0
     written_bytes: int = 0
     read_wait_s: float = 0.0
-    peak_hit_bytes: int = 0  # hit KV resident in HBM at once
-    layer_hashes: list[str] = field(default_factory=list)  # of the hit KV each layer loaded
-    # CRC-32C per layer of rows [0, n_hit + n_miss) in token order, past and new: what the
+    peak_hit_bytes: int = 0  # past KV resident in HBM at once (the hits, in a first pass)
+    layer_hashes: list[str] = field(default_factory=list)  # of the past KV each layer loaded
+    # CRC-32C per layer of rows [0, n_past + n_new) in token order, past and new: what the
     # DE buffer holds once this pass's WRITEs land; the next reader checks it
     write_crcs: list[int] = field(default_factory=list)
     reread_bytes: int = 0  # past rows read again because an earlier pass's WRITE was late
@@ -107,15 +107,15 @@ class KVConnector(ABC):
         self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
         self.timeout_s = timeout_s
         self.stats = ConnectorStats()
-        self._hit_resident = 0
+        self._past_resident = 0
 
     @abstractmethod
     def start_load(self, plan: LoadPlan) -> None:
-        """Start fetching the hit KV of every layer, asynchronously."""
+        """Start fetching the past KV of every layer, asynchronously."""
 
     @abstractmethod
     def wait_for_layer(self, layer: int) -> KV | None:
-        """Block until layer `layer`'s hit KV is in HBM; return (K, V) views, or None if no hit."""
+        """Block until layer `layer`'s past KV is in HBM; return (K, V) views, or None if there is none."""
 
     @abstractmethod
     def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -129,15 +129,15 @@ class KVConnector(ABC):
     def _layer_bytes(self, n_tokens: int) -> int:
         return n_tokens * self.geom.bytes_per_token_per_layer
 
-    def _alloc_hit(self, nbytes: int) -> int:
+    def _alloc_past(self, nbytes: int) -> int:
         off = self.alloc.alloc(nbytes)
-        self._hit_resident += nbytes
-        self.stats.peak_hit_bytes = max(self.stats.peak_hit_bytes, self._hit_resident)
+        self._past_resident += nbytes
+        self.stats.peak_hit_bytes = max(self.stats.peak_hit_bytes, self._past_resident)
         return off
 
-    def _free_hit(self, off: int, nbytes: int) -> None:
+    def _free_past(self, off: int, nbytes: int) -> None:
         self.alloc.free(off)
-        self._hit_resident -= nbytes
+        self._past_resident -= nbytes
 
     def _rows(self, off: int, n_tokens: int) -> torch.Tensor:
         bpt = self.geom.bytes_per_token_per_layer
@@ -176,7 +176,7 @@ class KVConnector(ABC):
         if plan.past_crcs is None:
             return
         deadline = time.monotonic() + self.timeout_s
-        nbytes = self._layer_bytes(plan.n_hit)
+        nbytes = self._layer_bytes(plan.n_past)
         while stale(self.hbm, [(off, nbytes, plan.past_crcs[layer])]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"request {plan.request}: layer {layer} of its past KV never landed intact "
@@ -196,18 +196,18 @@ class LayerwiseConnector(KVConnector):
         self.slots: dict[int, tuple[int, list]] = {}  # layer -> (hbm offset, read transfers)
         # (hbm offset, write transfer, past bytes if it is a past slot): freed once the WRITE is done
         self.writes: list[tuple[int, object, int | None]] = []
-        self.n_hit_bytes = self._layer_bytes(plan.n_hit)
-        if plan.n_hit:
+        self.past_bytes = self._layer_bytes(plan.n_past)
+        if plan.n_past:
             self._prefetch(0)
 
     def _prefetch(self, layer: int) -> None:
-        if layer >= self.geom.n_layer or layer in self.slots or not self.plan.n_hit:
+        if layer >= self.geom.n_layer or layer in self.slots or not self.plan.n_past:
             return
-        off = self._alloc_hit(self.n_hit_bytes)
+        off = self._alloc_past(self.past_bytes)
         self.slots[layer] = (off, self._post_read(self.plan, layer, off))
 
     def wait_for_layer(self, layer: int) -> KV | None:
-        if not self.plan.n_hit:
+        if not self.plan.n_past:
             return None
         self._prefetch(layer)
         off, xfers = self.slots[layer]
@@ -217,21 +217,21 @@ class LayerwiseConnector(KVConnector):
         # and the prefetched one are resident (the paper's "about one layer per batch").
         self._reap_writes(block=True)
         self._prefetch(layer + 1)  # overlaps this layer's compute
-        return self._view(off, self.plan.n_hit)
+        return self._view(off, self.plan.n_past)
 
     def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         p, g = self.plan, self.geom
         self._reap_writes()
-        miss_off = self.alloc.alloc(self._layer_bytes(p.n_miss))
-        pack_rows(k_new, v_new, g, self._rows(miss_off, p.n_miss))
-        parts = [token_rows_descs(g, layer, p.n_hit, p.n_miss, miss_off, p.dst.offset)]
+        miss_off = self.alloc.alloc(self._layer_bytes(p.n_new))
+        pack_rows(k_new, v_new, g, self._rows(miss_off, p.n_new))
+        parts = [token_rows_descs(g, layer, p.n_past, p.n_new, miss_off, p.dst.offset)]
         slot = self.slots.pop(layer, None)
         crc = 0
         if slot is not None:
-            crc = kv_crc(self._rows(slot[0], p.n_hit).numpy())
+            crc = kv_crc(self._rows(slot[0], p.n_past).numpy())
             if p.forward_past:
                 parts.insert(0, token_rows_descs(g, layer, 0, p.forward_past, slot[0], p.dst.offset))
-        self.stats.write_crcs.append(kv_crc(self._rows(miss_off, p.n_miss).numpy(), crc))
+        self.stats.write_crcs.append(kv_crc(self._rows(miss_off, p.n_new).numpy(), crc))
         descs = np.concatenate(parts)
         self.stats.written_bytes += int(descs[:, 2].sum())
         # One descriptor list per layer, one request. The notification lets the DE side know
@@ -241,22 +241,22 @@ class LayerwiseConnector(KVConnector):
         self.writes.append((miss_off, xfer, None))
         if slot is not None:
             if p.forward_past:  # past rows leave from the slot: free it once the WRITE is done
-                self.writes.append((slot[0], xfer, self.n_hit_bytes))
+                self.writes.append((slot[0], xfer, self.past_bytes))
             else:
-                self._free_hit(slot[0], self.n_hit_bytes)
+                self._free_past(slot[0], self.past_bytes)
 
     def _reap_writes(self, block: bool = False) -> None:
         still = []
-        for off, xfer, hit_bytes in self.writes:
+        for off, xfer, past_bytes in self.writes:
             if block:
                 xfer.wait(self.timeout_s)
             if xfer.poll():
-                if hit_bytes is None:
+                if past_bytes is None:
                     self.alloc.free(off)
                 else:
-                    self._free_hit(off, hit_bytes)
+                    self._free_past(off, past_bytes)
             else:
-                still.append((off, xfer, hit_bytes))
+                still.append((off, xfer, past_bytes))
         self.writes = still
 
     def wait_for_save(self) -> None:
@@ -264,12 +264,12 @@ class LayerwiseConnector(KVConnector):
         for off, xfers in self.slots.values():  # only if a layer was never saved (error paths)
             for x in xfers:
                 x.wait(self.timeout_s)
-            self._free_hit(off, self.n_hit_bytes)
+            self._free_past(off, self.past_bytes)
         self.slots.clear()
 
 
 class BasicConnector(LayerwiseConnector):
-    """The PE path, not layerwise: every layer's hit KV is in HBM before layer 0 runs."""
+    """The PE path, not layerwise: every layer's past KV is in HBM before layer 0 runs."""
 
     def start_load(self, plan: LoadPlan) -> None:
         super().start_load(plan)
@@ -281,15 +281,15 @@ class BasicConnector(LayerwiseConnector):
 
 
 class OracleConnector(KVConnector):
-    """All I/O skipped: the hit KV is zeros already 'in HBM'; nothing is written."""
+    """All I/O skipped: the past KV is zeros already 'in HBM'; nothing is written."""
 
     def start_load(self, plan: LoadPlan) -> None:
         self.plan = plan
-        shape = (plan.n_hit, self.geom.n_kv_heads, self.geom.head_dim)
+        shape = (plan.n_past, self.geom.n_kv_heads, self.geom.head_dim)
         self.zeros = torch.zeros(shape, dtype=self.geom.dtype)
 
     def wait_for_layer(self, layer: int) -> KV | None:
-        return (self.zeros, self.zeros) if self.plan.n_hit else None
+        return (self.zeros, self.zeros) if self.plan.n_past else None
 
     def save_layer(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         pass

@@ -42,10 +42,10 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
     def plan_of(r: dict) -> LoadPlan:
         reads = tuple(PastRead.from_msg(x) for x in r.get("reads") or ())
         crcs = r.get("past_crcs")
-        n_hit = int(r["n_hit"])
+        n_past = int(r["n_past"])
         if r["mode"] == "oracle":  # nothing is read: the past is zeros already "in HBM"
-            reads = (PastRead(Span("", "", 0), 0, n_hit),) if n_hit else ()
-        return LoadPlan(r["request"], n_hit, len(r["tokens"]), reads,
+            reads = (PastRead(Span("", "", 0), 0, n_past),) if n_past else ()
+        return LoadPlan(r["request"], n_past, len(r["tokens"]), reads,
                         Span.from_msg(r["dst"]) if r.get("dst") else None,
                         int(r.get("forward_past", 0)), tuple(crcs) if crcs is not None else None,
                         str(r.get("tag", "")))
