@@ -202,13 +202,16 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                          "(dualpath modes), milliseconds of predicted attention time"),
             first_turn_tokens: int = typer.Option(0, min=0, max=100_000, help="each trajectory's first turn "
                                                   "appends this many cold tokens (its own task context): a "
-                                                  "compute burst at the start; 0 keeps the generated length")) -> None:
+                                                  "compute burst at the start; 0 keeps the generated length"),
+            aps: float = typer.Option(0.0, min=0.0, max=1000.0, help="online serving: agents arrive as a Poisson "
+                                      "process at this many per emulated second (seeded by --seed); 0: offline, "
+                                      "all at once")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     _need_root()
     if transport not in ("tcp", "rdma"):
         _fail(f"--transport: {transport!r} is not tcp or rdma")
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
-             transport, quota_ms / 1000, first_turn_tokens)
+             transport, quota_ms / 1000, first_turn_tokens, aps)
 
 
 @app.command()
@@ -248,10 +251,7 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1, table2, fi
             typer.echo(line)
         return
     if plan.configs and runs is None:
-        from testbed.reproduce.execute import online_ready
-
-        if online_ready() or any(not c.online for c in plan.configs):  # something will run on the testbed
-            _need_root()
+        _need_root()  # something will run on the testbed
         for line in plan.lines():
             typer.echo(line)
     try:
@@ -309,9 +309,12 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
 
 
 def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
-             out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0) -> None:
-    from dualpath.workload import demo_workload, generate
-    from testbed.experiment import run_e2e, summarize, write_results
+             out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
+             aps: float = 0.0) -> None:
+    from dataclasses import replace
+
+    from dualpath.workload import demo_workload, generate, poisson_arrivals, with_arrivals
+    from testbed.experiment import run_to_folder
     from testbed.report import e2e_lines
 
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out)
@@ -319,30 +322,21 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
         wl = generate(demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens))
     except ValueError as e:
         _fail(str(e))
-    run_id = time.strftime("%Y%m%d-%H%M%S")
-    scratch = Path("/var/tmp") / f"dpt-run-{run_id}"  # logs and the store's disk; not results
-    run_dir = out / run_id
+    extra = {}
+    if aps > 0:  # online: agents arrive as a Poisson process at `aps` per emulated second
+        k = t.dilation(geom.kv_bytes_per_token)
+        arr = poisson_arrivals(len(wl.trajectories), aps, seed=seed)
+        wl = replace(wl, trajectories=tuple(with_arrivals(wl.trajectories, [a * k for a in arr])))
+        extra["arrivals"] = {"aps": aps, "seed": seed, "agents": len(wl.trajectories),
+                             "unit": "agents per emulated second"}
+    run_dir = out / time.strftime("%Y%m%d-%H%M%S")
     for line in t.describe(geom.kv_bytes_per_token):
         typer.echo(line)
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
-               f"shared system prompt {len(wl.system_prompt)} tokens; model {ckpt}; scratch {scratch}")
-    t0 = time.monotonic()
-    with _fabric(t) as fab:
-        spec = t.spec  # the buffers' budgets come from the topology (memory is touched only as used)
-        results = run_e2e(fab, wl, ckpt, scratch, modes=mode_list, progress=typer.echo, transport=transport,
-                          quota_s=quota_s,
-                          buffer_bytes=int(spec.dram_buffer_gib * 2**30), hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
-    summary = summarize(results, wl, geom, t)
-    summary.update({"topology": t.name, "trajectories": len(wl.trajectories), "seed": seed,
-                    "checkpoint": str(ckpt), "wall_s": round(time.monotonic() - t0, 1),
-                    "quota_s": quota_s, "first_turn_tokens": first_turn_tokens,
-                    "transport": results[0].transport if results else transport})
-    write_results(results, summary, run_dir, command)
-    lines = e2e_lines(summary)
-    (run_dir / "report.md").write_text(f"# dualpath run: {t.name}\n\nProduced by `{command}`.\n\n```\n"
-                                       + "\n".join(lines) + "\n```\n")
-    shutil.rmtree(scratch, ignore_errors=True)  # only once the results are written: a failed run keeps its logs
-    for line in lines:
+               f"shared system prompt {len(wl.system_prompt)} tokens"
+               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {ckpt}")
+    summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra)
+    for line in e2e_lines(summary):
         typer.echo(line)
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s)")
     ok = all(m["errors"] == 0 and m["verification"].get("all_match", True) for m in summary["modes"].values())

@@ -70,6 +70,7 @@ class RequestRecord:
     de_layer_hashes: list[str] = field(default_factory=list, repr=False)
     peak_hit_bytes: int = 0
     t_arrive: float = 0.0
+    t_routed: float = 0.0  # the scheduler's decision reached the conductor
     t_read_start: float = 0.0
     t_read_end: float = 0.0
     t_prefill_start: float = 0.0
@@ -196,6 +197,7 @@ class Conductor:
             rec.t_done = self._now()
             self.on_record(rec)
             return rec
+        rec.t_routed = self._now()
         plan = plan_request(rec.request, prompt, gen_len, keys, n_hit_blocks, route, g, self.connector,
                             c.host_of(route.pe), c.host_of(route.de))
         rec.pe, rec.de, rec.path = route.pe, route.de, route.path if plan.moves_kv else "none"
@@ -317,8 +319,12 @@ class Conductor:
         del self._batchers[pe]
 
     # -- trajectories --------------------------------------------------------------------------
-    async def trajectory(self, tid: int, system_prompt: list[int], turns: list[tuple[list[int], int]]
-                         ) -> list[RequestRecord]:
+    async def trajectory(self, tid: int, system_prompt: list[int], turns: list[tuple[list[int], int]],
+                         start_at: float = 0.0) -> list[RequestRecord]:
+        """One agent's turns, each after the previous one's output (tool calls take no time, as
+        in the paper's replay), from `start_at` (testbed s since the conductor's start) on."""
+        if (wait := start_at - self._now()) > 0:  # online: the agent arrives later
+            await asyncio.sleep(wait)
         context = list(system_prompt)
         out = []
         for t, (append, gen_len) in enumerate(turns):

@@ -62,6 +62,7 @@ class ModeResult:
     steps: list = field(default_factory=list)  # decode steps of every DE
     samples: list = field(default_factory=list)  # the monitor's time series: CPU and every NIC's bytes
     links: list = field(default_factory=list)  # fidelity.LinkUse of every storage NIC
+    agent_jct_s: list = field(default_factory=list)  # per agent: its last turn's end - its arrival (testbed s)
     cpu_own: float = 0.0  # of cpu_busy, the testbed's own processes
     cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
     faithful: bool = False
@@ -71,6 +72,7 @@ class ModeResult:
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
               namespace: bytes, progress: Callable[[str], None], quota_s: float, clock: "RunClock") -> ModeResult:
     recs: list[RequestRecord] = []
+    arrivals: dict[int, float] = {}  # trajectory -> when its agent arrived (testbed s)
     done = [0]
     total = sum(len(t.turns) for t in workload.trajectories)
 
@@ -91,14 +93,16 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
             if warm.error:
                 raise RuntimeError(f"warm-up failed: {warm.error}")
             t0 = co._now()
-            per = await asyncio.gather(*[
-                co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns])
+            per = await asyncio.gather(*[  # offline: every agent at t0; online: at its arrival time
+                co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns],
+                              start_at=t0 + (t.arrival_s or 0.0))
                 for t in workload.trajectories])
         finally:
             await router.stop()
         for p in per:
             recs.extend(p)
         t1 = max(r.t_done for r in recs)
+        arrivals.update({t.id: t0 + (t.arrival_s or 0.0) for t in workload.trajectories})
         app = cluster.control_bytes() - sent0
         steps = [{**x, "de": de, "t_start": x["t_start"] - co.t0, "t_end": x["t_end"] - co.t0}
                  for de in cluster.engines("decode") for x in (await cluster.clients[de].call("steps"))["steps"]]
@@ -117,6 +121,8 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.cpu_threads = mon.cpu_by_thread(pids)
     res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
+    res.agent_jct_s = [max(r.t_done for r in recs if r.trajectory == tid) - t for tid, t in arrivals.items()
+                       if any(r.trajectory == tid for r in recs)]
     res.scheduler = decisions
     res.steps = steps
     res.links = [link_use(f"{node}/snic", fab.topo.snic_bps, window, [tuple(x) for x in node_loads],
@@ -256,6 +262,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
             "requests": len(res.records), "errors": len(res.records) - len(ok),
             "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
+            # per agent, arrival to its last turn's end: the online figures' JCT (offline, all arrive at once)
+            "agent_jct_s": {"mean": round(sum(res.agent_jct_s) / len(res.agent_jct_s) / k, 4) if res.agent_jct_s else None,
+                            **percentiles(res.agent_jct_s, scale=1 / k)},
             "ttft_s": percentiles((x["ttft"] for x in lat), scale=1 / k),
             "ttst_s": percentiles((x["ttst"] for x in lat), scale=1 / k),
             "tpot_s": percentiles((x["tpot"] for x in lat), scale=1 / k),
@@ -411,3 +420,39 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
         for res in results:
             for x in res.samples:
                 f.write(json.dumps({"mode": res.mode, **x}) + "\n")
+
+
+def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir: Path, command: str,
+                  modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
+                  quota_s: float = 0.3, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One `dualpath run`: bring the topology up, run every mode, tear down, and write
+    run_dir/{summary.json, records.jsonl, passes.jsonl, steps.jsonl, links.jsonl, report.md}.
+    Returns the summary. The scratch folder (logs, the store's disk) is removed only once the
+    results are written, so a failed run keeps its logs."""
+    import shutil
+
+    from testbed.cleanup import find_leftovers
+    from testbed.report import e2e_lines
+
+    left = find_leftovers()
+    if not left.empty():
+        raise RuntimeError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
+    scratch = Path("/var/tmp") / f"dpt-run-{run_dir.name}"
+    geom = run_geometry(checkpoint)
+    t0 = time.monotonic()
+    spec = topo.spec
+    with Fabric(topo) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+        results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
+                          quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
+                          hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
+    summary = summarize(results, workload, geom, topo)
+    summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
+                    "checkpoint": str(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
+                    "first_turn_tokens": workload.config.first_append_len,
+                    "transport": results[0].transport if results else transport,
+                    "workload": workload.config.to_dict(), **(extra or {})})
+    write_results(results, summary, run_dir, command)
+    (run_dir / "report.md").write_text(f"# dualpath run: {topo.name}\n\nProduced by `{command}`.\n\n```\n"
+                                       + "\n".join(e2e_lines(summary)) + "\n```\n")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return summary

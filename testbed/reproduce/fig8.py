@@ -3,8 +3,8 @@
 The paper (DS 27B): DualPath beats Basic at every P/D (mean 1.64x, max 2.46x at 1P2D), and JCT
 follows the number of storage NICs that read: Basic 1P1D ~ Basic 1P2D (one SNIC each), DualPath
 1P1D ~ Basic 2P1D (two each), DualPath 2P1D ~ DualPath 1P2D (three each). The comparison needs
-the same storage NIC per node in all three, so 1p1d-io runs here with s = 0.05 like 1p2d-io and
-2p1d-io (20 Gbit/s, 50 Mbit/s on the testbed).
+the same storage NIC per node and the same time scale in all three, so 1p1d-io runs here with
+s = 0.05 and links at 1/500 like 1p2d-io and 2p1d-io (20 Gbit/s, 40 Mbit/s on the testbed).
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
 ID = "fig8"
 TITLE = "P/D ratio: Basic and DualPath at 1P1D, 1P2D and 2P1D"
-SNIC_RATIO = 0.05  # the -io topologies' s for 1p2d and 2p1d; 1p1d-io is overridden to it
-CONFIGS = (("1P1D", "1p1d-io", {"snic_ratio": SNIC_RATIO}), ("1P2D", "1p2d-io", {}), ("2P1D", "2p1d-io", {}))
+SNIC_RATIO, SCALE = 0.05, 0.002  # 1p2d-io's and 2p1d-io's; 1p1d-io is overridden to them
+CONFIGS = (("1P1D", "1p1d-io", {"snic_ratio": SNIC_RATIO, "scale": SCALE}), ("1P2D", "1p2d-io", {}),
+           ("2P1D", "2p1d-io", {}))
 
 
 def plan(quick: bool = False) -> Plan:

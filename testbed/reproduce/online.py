@@ -71,8 +71,6 @@ def online_plan(fig_id: str, quick: bool) -> Plan:
                 scale_down=("1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x0.0025; the demo's "
                             "agents (10 turns, ~660-token contexts, 1/50 of the paper's 32K); SLO as the paper's "
                             "(TTFT <= 4 s, TPOT <= 50 ms, emulated); steady-state rule scaled (testbed.reproduce.online)"),
-                notes=["needs the online runner: Poisson arrivals per agent (Trajectory.arrival_s, in testbed s = "
-                       "emulated s x the dilation) honoured by the conductor, and summary.json `arrivals`"],
                 search=OnlineSearch(MODES, rel_tol=0.1, max_probes=1 if quick else 4))
 
 
