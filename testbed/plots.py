@@ -135,6 +135,15 @@ def caption(fig, text: str) -> None:
     fig._dp_caption = text
 
 
+def finish(fig, ax, path: Path, caption_text: str | None = None, ncol: int = 2) -> str:
+    """The common end of a panel: grid, the legend below, the caption, saved; returns the file name."""
+    ax.grid(True, axis="both", alpha=0.3)
+    legend_below(ax, ncol=ncol)
+    if caption_text:
+        caption(fig, caption_text)
+    return save(fig, path).name
+
+
 def save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

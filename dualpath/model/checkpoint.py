@@ -83,14 +83,11 @@ def _tensor_files(root: Path) -> dict[str, Path]:
     raise CheckpointError(f"{root}: missing {SINGLE_FILE} or {INDEX_FILE}{extra}")
 
 
-def load_weights(root: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
-                 ) -> dict[str, torch.Tensor]:
-    """Load and check every tensor `cfg` needs, cast to `dtype` on `device`."""
-    root = Path(root)
-    files = _tensor_files(root)
-    want = expected_shapes(cfg)
+def _check_names(root: Path, files: dict[str, Path], want: dict, cfg: ModelConfig) -> None:
+    """Every tensor the config needs is there and none it does not use (`files`: name -> the
+    file holding it; a tied checkpoint's stored lm_head is dropped from it, as HF does)."""
     if cfg.tie_word_embeddings:
-        files.pop("lm_head.weight", None)  # some tied checkpoints still store it; the embedding wins, as in HF
+        files.pop("lm_head.weight", None)  # some tied checkpoints still store it; the embedding wins
     unknown = sorted(n for n in files if n not in want and not n.endswith(_IGNORED_SUFFIXES))
     if unknown:
         more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
@@ -101,6 +98,15 @@ def load_weights(root: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
         where = root / (INDEX_FILE if (root / INDEX_FILE).is_file() else SINGLE_FILE)
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{where}: missing tensors {missing[:3]}{more}")
+
+
+def load_weights(root: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+                 ) -> dict[str, torch.Tensor]:
+    """Load and check every tensor `cfg` needs, cast to `dtype` on `device`."""
+    root = Path(root)
+    files = _tensor_files(root)
+    want = expected_shapes(cfg)
+    _check_names(root, files, want, cfg)
 
     by_file: dict[Path, list[str]] = {}
     for name in want:
@@ -131,18 +137,9 @@ def preflight(root: str | Path) -> ModelConfig:
         root = root.parent
     tensors = _preflight_files(root)  # name -> (file, dtype, shape)
     want = expected_shapes(cfg)
+    _check_names(root, {n: t[0] for n, t in tensors.items()}, want, cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    unknown = sorted(n for n in tensors if n not in want and not n.endswith(_IGNORED_SUFFIXES))
-    if unknown:
-        more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
-        raise CheckpointError(f"{tensors[unknown[0]][0]}: unexpected tensors {unknown[:3]}{more}; "
-                              f"this {cfg.model_type} config does not use them")
-    missing = [n for n in want if n not in tensors]
-    if missing:
-        where = root / (INDEX_FILE if (root / INDEX_FILE).is_file() else SINGLE_FILE)
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise CheckpointError(f"{where}: missing tensors {missing[:3]}{more}")
     for name, shape in want.items():
         f, dtype, got = tensors[name]
         if got != shape:

@@ -232,6 +232,15 @@ class NotificationInbox:
     def _lock(self) -> threading.Lock:
         return self.__dict__.setdefault("_inbox_lock", threading.Lock())  # atomic: one per inbox
 
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _pull_notifs(self) -> None:
         raise NotImplementedError
 
@@ -552,12 +561,6 @@ class Agent(NotificationInbox):
                 pass
         self._regions.clear()
         self._peers.clear()
-
-    def __enter__(self) -> "Agent":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"Agent({self.name!r}, {self.transport_in_use}, class={self.traffic_class.name}, "

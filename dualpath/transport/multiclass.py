@@ -318,12 +318,6 @@ class MultiClassAgent(NotificationInbox):
         self._peers.clear()
         self._base.clear()
 
-    def __enter__(self) -> "MultiClassAgent":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         ports = {c: a.ucx_env.get("UCX_TCP_PORT_RANGE") for c, a in self._agents.items()}
         return f"MultiClassAgent({self.name!r}, {self.transport_in_use}, ports={ports})"

@@ -50,14 +50,9 @@ def render(cur: dict, caps: dict, out: Path) -> list[str]:
         if slo is not None:
             plots.slo_hline(ax, slo * scale, f"SLO ({slo * scale:g} {'s' if scale == 1 else 'ms'})")
             ax.set_ylim(0, max(ax.get_ylim()[1], slo * scale * 1.15))
-        ax.grid(True, axis="both", alpha=0.3)
-        plots.legend_below(ax, ncol=2)
-        plots.caption(fig, f"Lines: mean over the measured requests; bands: p10-p90. Paper: DualPath's highest APS "
+        pngs.append(plots.finish(fig, ax, out / f"fig10_{key}.png", f"Lines: mean over the measured requests; bands: p10-p90. Paper: DualPath's highest APS "
                            f"under the SLO is {paper.FIG10_CAPACITY_RATIO['DS 27B']}x Basic's (DS 27B) and "
-                           f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).")
-        name = f"fig10_{key}.png"
-        plots.save(fig, out / name)
-        pngs.append(name)
+                           f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).", ncol=2))
     return pngs
 
 

@@ -36,12 +36,8 @@ def render(cur: dict, caps: dict, out: Path) -> list[str]:
         if caps.get(m):
             ax.axvline(caps[m], ls="-.", lw=0.9, color=plots.color(m), label=f"{plots.label(m)}: highest APS under SLO")
     ax.set_ylim(bottom=0)
-    ax.grid(True, axis="both", alpha=0.3)
-    plots.legend_below(ax, ncol=2)
-    plots.caption(fig, "Paper (DS 660B, DualPath): ~575 s at 0.1 APS, ~1,100 s at 0.45 APS; Basic's JCT grows sharply "
-                       "towards its capacity. Absolute values are not comparable (scaled-down cluster and workload).")
-    plots.save(fig, out / "fig11.png")
-    return ["fig11.png"]
+    return [plots.finish(fig, ax, out / "fig11.png", "Paper (DS 660B, DualPath): ~575 s at 0.1 APS, ~1,100 s at 0.45 APS; Basic's JCT grows sharply "
+                       "towards its capacity. Absolute values are not comparable (scaled-down cluster and workload).", ncol=2)]
 
 
 def common_point(cur: dict) -> float | None:

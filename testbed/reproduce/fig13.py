@@ -113,12 +113,8 @@ def render(bal: dict[str, dict], out: Path) -> list[str]:
             plots.paper_hline(ax, v, f"paper, {plots.label(m)}: {v}", color_=plots.color(m))
     ax.axhline(1.0, color="black", lw=0.8, label="bound: perfect balance (1)")
     ax.set_ylim(0.9, max(2.0, max((w["max_over_avg"] or 0 for b in bal.values() for w in b["series"]), default=2) * 1.05))
-    ax.grid(True, axis="both", alpha=0.3)
-    plots.legend_below(ax, ncol=2)
-    plots.caption(fig, f"Shaded: each mode's loaded window (storage NICs together at >= {LOAD_SHARE:.0%} of their rate); "
-                       "the headline is the mean ratio over it.")
-    plots.save(fig, out / "fig13.png")
-    return ["fig13.png"]
+    return [plots.finish(fig, ax, out / "fig13.png", f"Shaded: each mode's loaded window (storage NICs together at >= {LOAD_SHARE:.0%} of their rate); "
+                       "the headline is the mean ratio over it.", ncol=2)]
 
 
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:

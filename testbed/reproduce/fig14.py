@@ -70,12 +70,8 @@ def render(bal: dict[str, dict], out: Path) -> list[str]:
     plots.paper_hline(ax, paper.FIG14, f"paper (DualPath, first 5 % of the task): {paper.FIG14}")
     ax.axhline(1.0, color="black", lw=0.8, label="bound: perfect balance (1)")
     ax.set_ylim(0.95, max(1.6, max((s["max_over_avg"] or 0 for b in bal.values() for s in b["series"]), default=1.6) * 1.05))
-    ax.grid(True, axis="both", alpha=0.3)
-    plots.legend_below(ax, ncol=2)
-    plots.caption(fig, "Step k pairs each engine's k-th forward pass; dots: steps where every engine was loaded "
-                       "(the quota, not an empty queue, ended its pass). The headline is the mean over the dots.")
-    plots.save(fig, out / "fig14.png")
-    return ["fig14.png"]
+    return [plots.finish(fig, ax, out / "fig14.png", "Step k pairs each engine's k-th forward pass; dots: steps where every engine was loaded "
+                       "(the quota, not an empty queue, ended its pass). The headline is the mean over the dots.", ncol=2)]
 
 
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
