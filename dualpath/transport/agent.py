@@ -75,6 +75,17 @@ def _make_nixl_agent(name: str, progress_thread: bool, delay_us: int):
         _api.nixlBind.nixlAgentConfig = real
 
 
+def unpack_metadata(md: bytes, who: str) -> dict:
+    """A peer's metadata blob (an Agent's or a MultiClassAgent's), or TransportError."""
+    try:
+        d = msgpack.unpackb(md, raw=False)
+        if d.get("v") != _MD_VERSION:
+            raise ValueError(f"metadata version {d.get('v')!r}")
+    except Exception as e:
+        raise TransportError(f"agent {who!r}: peer metadata is not ours: {e}") from None
+    return d
+
+
 class TransferTimeout(TransportError):
     """A transfer did not complete in time."""
 
@@ -396,12 +407,7 @@ class Agent(NotificationInbox):
         A MultiClassAgent's metadata is accepted too: this agent keeps the part of its own
         class (the peer's agent in that class; for kv it has the peer's own name).
         """
-        try:
-            d = msgpack.unpackb(md, raw=False)
-            if d.get("v") != _MD_VERSION:
-                raise ValueError(f"metadata version {d.get('v')!r}")
-        except Exception as e:
-            raise TransportError(f"agent {self.name!r}: peer metadata is not ours: {e}") from None
+        d = unpack_metadata(md, self.name)
         if "classes" in d:  # a MultiClassAgent: one agent per class
             part = d["classes"].get(self.traffic_class.name)
             if part is None:

@@ -48,6 +48,7 @@ from .agent import (
     Transfer,
     TransferStats,
     _user_env,
+    unpack_metadata,
 )
 from .env import TransportError, UcxEnvError
 
@@ -214,12 +215,7 @@ class MultiClassAgent(NotificationInbox):
     def add_peer(self, md: bytes) -> str:
         """Load a peer's metadata: a MultiClassAgent's (each class we share) or a plain Agent's
         (its class only). Returns the peer's name. Calling again refreshes its regions."""
-        try:
-            d = msgpack.unpackb(md, raw=False)
-            if d.get("v") != _MD_VERSION:
-                raise ValueError(f"metadata version {d.get('v')!r}")
-        except Exception as e:
-            raise TransportError(f"agent {self.name!r}: peer metadata is not ours: {e}") from None
+        d = unpack_metadata(md, self.name)
         if "classes" in d:
             base, blobs = d["name"], d["classes"]
         else:  # a plain Agent: one class, addressed by its own name
