@@ -6,7 +6,6 @@ whether the run meets the SLO (TTFT <= 4 s, TPOT <= 50 ms) in steady state
 (testbed.reproduce.online). As in the paper, TTST and TPOT points of runs over the SLO are left
 out. The headline is the highest APS meeting the SLO per mode and their ratio: the paper reports
 1.67x (DS 27B) and 2.25x (DS 660B); the bound on 1P1D is (P+D)/P = 2.
-NEEDS THE ONLINE RUNNER, which the testbed does not have yet.
 """
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 An agent's JCT is its last turn's end minus its first turn's arrival (emulated). The paper
 (DS 660B) reads about 575 s at 0.1 APS and 1,100 s at 0.45 APS for DualPath; Basic's grows
 sharply towards its capacity. Uses the same online runs as figure 10.
-NEEDS THE ONLINE RUNNER, which the testbed does not have yet.
 """
 from __future__ import annotations
 

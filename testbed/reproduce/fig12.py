@@ -8,11 +8,10 @@ divided by the dilation) into
              (t_read_start -> t_prefill_start; no read: 0)
     prefill  waiting for and running the prefill passes, up to the first token
              (t_prefill_start -> t_first_token)
-The four add up to t_first_token - t_arrive. The records carry no t_routed yet: until the
-conductor records the decision time, queue and alloc are one span, reported as queue, and alloc
-as 0 (said in the report). Means over the measured requests of each (APS, mode). The paper
+The four add up to t_first_token - t_arrive. Records of runs made before the conductor recorded
+its decision time have no t_routed: there queue and alloc are one span, reported as queue, and
+alloc as 0 (said in the report). Means over the measured requests of each (APS, mode). The paper
 (DS 660B): Basic's read time grows with APS, DualPath's stays flat.
-NEEDS THE ONLINE RUNNER for the left panel.
 
 Right (offline): the ladder basic, +layerwise, +dual-path (round-robin), +scheduler (dualpath),
 and oracle, JCT relative to Basic; the paper's reductions are 17.21 %, 38.19 % and 45.62 %
@@ -118,8 +117,7 @@ def render_left(br: dict, out: Path) -> list[str]:
     ax.set_xticks(range(len(apss)))
     ax.set_xticklabels([f"{a:g}" for a in apss])
     plots.legend(ax, loc="upper left")
-    plots.caption(fig, "Paper (DS 660B): Basic's KV read time grows with APS while DualPath's stays flat. "
-                       "Queue and alloc are one span until the conductor records its decision time (t_routed).")
+    plots.caption(fig, "Paper (DS 660B): Basic's KV read time grows with APS while DualPath's stays flat.")
     plots.save(fig, out / "fig12_left.png")
     return ["fig12_left.png"]
 
@@ -191,7 +189,10 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              "our agent counts. Paper JCTs (read off the figure): "
              + "; ".join(f"{a} agents " + ", ".join(f"{plots.label(m)} {v}" for m, v in d.items())
                          for a, d in paper.FIG12_JCT.items()) + " s.",
-             "Left: queue and alloc are one span (reported as queue) until records carry t_routed, the decision time."]
+             ]
+    if any(not p["split_queue_alloc"] for pts in br.values() for p in pts):
+        notes.append("Left: some runs' records have no t_routed (the decision time): their queue and alloc are "
+                     "one span, reported as queue.")
     if not online.online_runs(runs):
         notes.insert(0, "Left panel: no online run: " + online.NO_RUNNER)
     return Result(ID, TITLE, heads, render_left(br, out) + render_right(rows, out), used,

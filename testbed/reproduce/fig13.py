@@ -39,7 +39,7 @@ def scheduler_config(quick: bool) -> RunConfig:
 def plan(quick: bool = False) -> Plan:
     cfg = scheduler_config(quick)
     return Plan(ID, quick, [cfg], scale_down=(
-        "2P1D (2p1d-io: three nodes, one 20 Gbit/s storage NIC each, s = 0.05, links x0.0025; the paper: three "
+        "2P1D (2p1d-io: three nodes, one 20 Gbit/s storage NIC each, s = 0.05, links x0.002; the paper: three "
         f"machines); the demo workload with {cfg.workload.agents} agents whose first turn appends 1,024 cold tokens "
         "(a compute burst at the start, as in the README's scheduler experiment)"))
 

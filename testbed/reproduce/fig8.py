@@ -29,7 +29,7 @@ def plan(quick: bool = False) -> Plan:
     cfgs = [RunConfig(f"fig8/{pd}", topo, modes, wl, topology_overrides=dict(over), params={"pd": pd})
             for pd, topo, over in CONFIGS]
     sd = (f"1P1D, 1P2D, 2P1D with g = 2 engines per node and one {SNIC_RATIO * 400:g} Gbit/s storage NIC per node "
-          f"(s = {SNIC_RATIO}), links x0.0025; " + (f"the paper's 64K trace with lengths / {PAPER_SCALE}, {wl.agents} agents"
+          f"(s = {SNIC_RATIO}), links x{SCALE:g}; " + (f"the paper's 64K trace with lengths / {PAPER_SCALE}, {wl.agents} agents"
                                                    if wl.preset != "demo" else "the demo workload, 24 agents (quick)"))
     return Plan(ID, quick, cfgs, scale_down=sd)
 

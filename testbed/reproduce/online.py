@@ -41,8 +41,8 @@ N_WINDOWS = 8
 STEADY_TOL = paper.STEADY_TOL
 STEADY_FLOOR = 0.05  # of the SLO's TTFT
 MODES = ("basic", "dualpath")
-NO_RUNNER = ("the conductor has no online runner yet (it starts every agent at once), so no run with Poisson "
-             "arrivals exists; this analysis runs on any folder that has one")
+NO_RUNNER = ("none of the runs given has Poisson arrivals (`dualpath run --aps`, or this figure's own runs); "
+             "this analysis needs one")
 TOPOLOGY = "1p1d-io"
 
 

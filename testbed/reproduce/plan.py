@@ -213,8 +213,6 @@ class Plan:
         if self.search:
             out.append(f"  then per mode ({', '.join(self.search.modes)}) up to {self.search.max_probes} bisection "
                        f"runs to {self.search.rel_tol:.0%} of the highest APS under the SLO")
-        if self.needs_online:
-            out.append("  NEEDS THE ONLINE RUNNER (Poisson arrivals in the conductor), which the testbed does not have yet")
         out += [f"  note: {n}" for n in self.notes]
         return out
 
