@@ -113,13 +113,13 @@ def test_fig10_unfaithful_when_one_run_is(tmp_path):
     assert json.loads((out / "summary.json").read_text())["faithful"] is False
 
 
-def test_fig10_without_online_runs_says_it_needs_the_runner(tmp_path):
+def test_fig10_without_online_runs_says_it_needs_them(tmp_path):
     (tmp_path / "runs").mkdir()
     RunFolder(tmp_path / "runs" / "offline").mode("basic").write()  # no APS: not an online run
     out, res = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
     assert s["faithful"] is False and s["complete"] is False and s["pngs"] == []
-    assert "online runner" in (out / "report.md").read_text()
+    assert "Poisson arrivals" in (out / "report.md").read_text()  # the missing online runs are named
     assert all(h["testbed"] is None for h in s["headline"])
 
 
