@@ -1,0 +1,30 @@
+"""What is committed under results/ was produced by a command and, where it is a run in emulated
+time, judged FAITHFUL (DEVELOPERS' rule: commit a reference run only when it is FAITHFUL)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Runs whose times come from the emulated clock carry a fidelity verdict; link and disk
+# calibrations (bench, check, profile) measure the host's own rates and carry none.
+TIMED = ("e2e", "reproduce", "sim")
+
+
+def committed_summaries() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [ROOT / p for p in out.stdout.split() if p.endswith("summary.json")]
+
+
+@pytest.mark.parametrize("path", committed_summaries(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_committed_result_names_its_command_and_is_faithful(path: Path):
+    s = json.loads(path.read_text())
+    assert s.get("command"), f"{path} does not name the command that produced it"
+    kind = path.relative_to(ROOT / "results").parts[0]
+    if kind in TIMED:
+        assert s.get("faithful") is True, f"{path}: a committed run in emulated time must be FAITHFUL"
