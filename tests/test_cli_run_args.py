@@ -91,7 +91,7 @@ def test_a_bad_topology_is_refused_first(capsys, ckpt, tmp_path):
 
 
 def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, tmp_path):
-    from testbed import experiment, report
+    from testbed import cleanup, experiment, report
 
     seen: dict[str, Path] = {}
 
@@ -109,6 +109,8 @@ def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, t
         assert seen["scratch"].exists(), "scratch deleted before the results were written"
         raise OSError(28, "No space left on device")
 
+    # The fabric is faked, so what a real run on this host left behind is not this test's business.
+    monkeypatch.setattr(cleanup, "find_leftovers", lambda *a, **k: cleanup.Leftovers())
     monkeypatch.setattr(cli, "_fabric", fake_fabric)
     monkeypatch.setattr(experiment, "run_e2e", fake_run)
     monkeypatch.setattr(experiment, "summarize", lambda *a: {"modes": {}})
