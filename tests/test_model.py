@@ -168,6 +168,25 @@ def test_a_batched_decode_step_is_bit_exact_with_decoding_each_alone(kind, model
     assert m.decode_step([], []) == []
 
 
+def test_a_decode_step_packs_tokens_that_share_a_row_into_separate_tiles(models):
+    """Many sequences, several on each row of a tile (so tokens share tiles and some rows need a
+    second and third tile), and a step's tokens bit-exact with each sequence decoded alone."""
+    from dualpath.model import DecodeCache
+
+    m = models["llama"]
+    lens = (3, 19, 35, 8, 24, 5, 16, 0, 31, 47, 12)  # rows 3, 3, 3, 8, 8, 5, 0, 0, 15, 15, 12
+    pasts = [m.prefill(tokens(n, seed=50 + i)).new_kv if n else [] for i, n in enumerate(lens)]
+    caches = [DecodeCache(m, kv) for kv in pasts]
+    toks = [int(t) for t in tokens(len(lens), seed=98)]
+    for _ in range(18):
+        alone = [m.prefill([t], past_kv=p or None, last_only=True) for t, p in zip(toks, pasts)]
+        got = m.decode_step(toks, caches)
+        assert got == [int(r.logits[-1].argmax()) for r in alone]
+        pasts = [concat_kv(p or None, r.new_kv) for p, r in zip(pasts, alone)]
+        assert all(kv_equal(c.kv(), p) for c, p in zip(caches, pasts))
+        toks = got
+
+
 def test_wrong_past_kv_changes_the_output(models):
     m = models["qwen2"]
     toks = tokens(64, seed=7)

@@ -321,3 +321,22 @@ def test_prefix_reuse_is_bit_exact_in_bfloat16(smollm2_dir, prompt):
     """bfloat16 on CPU is slow here (no native bf16) but keeps the tile determinism."""
     m = Transformer.from_pretrained(smollm2_dir, dtype="bfloat16")
     _check_reuse(m, prompt[:33], (17,), 2)
+
+
+def test_a_batched_decode_step_is_bit_exact_with_decoding_each_alone(model, prompt):
+    """Real weights: a batch whose tokens share tiles (rows 5 and 5 collide, the rest pack into
+    one tile) gives each sequence the logits' argmax and KV of prefilling its token alone."""
+    from dualpath.model import DecodeCache
+
+    lens = (37, 53, 40, 64, 21)  # rows 5, 5, 8, 0, 5: three tiles, not five
+    full = model.prefill(prompt[:64])
+    pasts = [[(k[:n], v[:n]) for k, v in full.new_kv] for n in lens]
+    caches = [DecodeCache(model, p) for p in pasts]
+    toks = [prompt[n] for n in lens]
+    for _ in range(2):
+        alone = [model.prefill([t], past_kv=p, last_only=True) for t, p in zip(toks, pasts)]
+        got = model.decode_step(toks, caches)
+        assert got == [int(r.logits[-1].argmax()) for r in alone]
+        pasts = [concat_kv(p, r.new_kv) for p, r in zip(pasts, alone)]
+        assert all(kv_equal(c.kv(), p) for c, p in zip(caches, pasts))
+        toks = got

@@ -254,13 +254,19 @@ class Transformer:
 
         Returns each sequence's greedy next token; each cache gains the fed token's KV. Bit-identical
         to `prefill([tokens[i]], past_kv, last_only=True)` for each sequence on its own: every
-        sequence still runs on its own position-aligned tile (see the module docstring), and the
-        tiles are only stacked for the row-wise ops (linear layers, norms, RoPE, SiLU), whose
-        result for a row does not depend on the other rows (checked in tests/test_model.py;
-        attention stays per sequence, on the cache's buffers, which have exactly the shape and
-        zeros layer_forward would build). What batching saves is the per-op overhead of a CPU
-        decode step, which otherwise dominates a one-token step of a small model; what the cache
-        saves is rebuilding and concatenating every sequence's past on every step.
+        token still sits in row p % tile of a `tile`-row tile (p its position; see the module
+        docstring), and the row-wise ops (linear layers, norms, RoPE, SiLU, lm_head), whose result
+        for a row does not depend on the other rows (checked in tests/test_model.py), run once on
+        the stacked tiles. Attention stays per sequence, on the cache's buffers, which have exactly
+        the shape and zeros layer_forward would build.
+
+        Tokens share tiles: a token goes into the first tile whose row p % tile is still free, so
+        a batch takes as many tiles as the most tokens that fall on one row (a batch of B usually
+        needs far fewer than B tiles, and each of its tiles was mostly padding). A sequence's
+        attention runs on the whole tile its token is in (the same shape as alone; only its own
+        row is kept). What batching saves is the per-op overhead and the padding rows of a CPU
+        decode step, which otherwise dominate a one-token step; what the cache saves is rebuilding
+        and concatenating every sequence's past on every step.
         """
         c, T, B = self.config, self.tile, len(tokens)
         if B == 0:
@@ -271,35 +277,45 @@ class Transformer:
         for cache in caches:
             cache.make_room()
         rows = [p % T for p in P]  # the token's row in its tile
-        tiles = [p // T for p in P]
-        self._ensure_rope((max(tiles) + 1) * T)
+        used: list[set[int]] = []  # per packed tile, the rows taken
+        slot = []  # each token's row in the stacked tiles
+        for r in rows:
+            j = next((j for j, u in enumerate(used) if r not in u), len(used))
+            if j == len(used):
+                used.append(set())
+            used[j].add(r)
+            slot.append(j * T + r)
+        nt = len(used) * T
+        self._ensure_rope(max(P) + 1)
         kv_shape = (c.n_kv_heads, c.head_dim)
-        x = torch.zeros(B * T, c.hidden_size, dtype=self.dtype, device=self.device)
-        emb = self.embed(tokens)
-        for i in range(B):
-            x[i * T + rows[i]] = emb[i]
-        cos = torch.cat([self._cos[t * T:(t + 1) * T] for t in tiles])[:, None, :]
-        sin = torch.cat([self._sin[t * T:(t + 1) * T] for t in tiles])[:, None, :]
+        x = torch.zeros(nt, c.hidden_size, dtype=self.dtype, device=self.device)
+        x[slot] = self.embed(tokens)
+        # row slot[i] gets position P[i]'s angles; the free rows keep their row's angles of tile 0
+        cos = self._cos[:T].repeat(len(used), 1)
+        sin = self._sin[:T].repeat(len(used), 1)
+        cos[slot], sin[slot] = self._cos[P], self._sin[P]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        tile_of = [(s // T) * T for s in slot]
         for l, w in enumerate(self.layers):
             h = self._rmsnorm(x, w["ln1"])
-            q = F.linear(h, w["wq"], w["bq"]).view(B * T, c.n_heads, c.head_dim)
-            k = F.linear(h, w["wk"], w["bk"]).view(B * T, *kv_shape)
-            v = F.linear(h, w["wv"], w["bv"]).view(B * T, *kv_shape)
+            q = F.linear(h, w["wq"], w["bq"]).view(nt, c.n_heads, c.head_dim)
+            k = F.linear(h, w["wk"], w["bk"]).view(nt, *kv_shape)
+            v = F.linear(h, w["wv"], w["bv"]).view(nt, *kv_shape)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            att = []
+            att = torch.zeros(nt, c.n_heads * c.head_dim, dtype=self.dtype, device=self.device)
             for i, cache in enumerate(caches):  # attention per sequence, exactly as layer_forward's one tile
-                r = i * T + rows[i]
-                kh, vh = cache.write(l, k[r:r + 1], v[r:r + 1])
-                att.append(self._attend(q[i * T:(i + 1) * T], kh, vh))
-            x = x + F.linear(torch.cat(att), w["wo"], w["bo"])
+                s, t0 = slot[i], tile_of[i]
+                kh, vh = cache.write(l, k[s:s + 1], v[s:s + 1])
+                att[s] = self._attend(q[t0:t0 + T], kh, vh)[rows[i]]
+            x = x + F.linear(att, w["wo"], w["bo"])
             h = self._rmsnorm(x, w["ln2"])
             g = F.silu(F.linear(h, w["wg"], w["bg"])) * F.linear(h, w["wu"], w["bu"])
             x = x + F.linear(g, w["wd"], w["bd"])
         for cache in caches:
             cache.n += 1
         logits = F.linear(self._rmsnorm(x, self.norm_w), self.lm_head_w)
-        return [int(torch.argmax(logits[i * T + rows[i]])) for i in range(B)]
+        return [int(torch.argmax(logits[s])) for s in slot]
 
     # -- conveniences built on the per-layer API -----------------------------------------------
 
