@@ -30,7 +30,6 @@ from testbed.monitor import CPU_SATURATED, Monitor
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 from testbed.scheduling import ServiceRouter
-from testbed.verify import Reference
 
 TOLERANCE = 0.02  # measured KV bytes per NIC vs the per-path counts
 # Tokens per Full Block in runs. Every Layer Block is one descriptor of a READ, and the
@@ -182,20 +181,59 @@ def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
 
 
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
-           progress: Callable[[str], None]) -> None:
-    """Every request's tokens and loaded KV against a full recomputation (oracle excepted)."""
-    ref = Reference(str(checkpoint), geom)
-    for res in results:
+           progress: Callable[[str], None], workers: int | None = None) -> None:
+    """Every request's tokens and loaded KV against a full recomputation (oracle excepted).
+
+    Trajectories are independent, so they are recomputed in `workers` processes (default: one
+    per core this process may use; the engines are gone by now), each with its own reference;
+    one trajectory's requests of every mode go to one process, in turn order, so that each turn
+    extends the reference's own KV of the turn before and a request seen in an earlier mode is
+    not computed again. Every process runs one thread: the same kernels, the same bits.
+    """
+    import os
+
+    from testbed.verify import check_trajectory
+
+    per_traj: dict[int, list[tuple[tuple[int, int], tuple]]] = {}
+    for mi, res in enumerate(results):
+        if res.mode == "oracle":
+            continue
+        for ri, r in enumerate(res.records):
+            if not r.error:
+                per_traj.setdefault(r.trajectory, []).append(
+                    ((mi, ri), (r.prompt, r.gen_len, r.tokens, r.n_hit, r.pe_layer_hashes, r.de_layer_hashes)))
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = max(1, min(workers, len(per_traj)))
+    checked = [res.mode for res in results if res.mode != "oracle"]
+    if checked:
+        progress(f"  verifying {', '.join(checked)} against recomputation "
+                 f"({sum(len(v) for v in per_traj.values())} requests, {workers} process{'es' * (workers > 1)})")
+    verdicts: dict[tuple[int, int], Any] = {}
+    trajs = sorted(per_traj, key=lambda t: -len(per_traj[t]))  # the longest first: the pool ends together
+    if workers == 1:
+        for tid in trajs:
+            keys, args = zip(*per_traj[tid])
+            verdicts.update(zip(keys, check_trajectory(str(checkpoint), geom, list(args))))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futs = {tid: pool.submit(check_trajectory, str(checkpoint), geom, [a for _, a in per_traj[tid]])
+                    for tid in trajs}
+            for tid, fut in futs.items():
+                verdicts.update(zip((k for k, _ in per_traj[tid]), fut.result()))
+    for mi, res in enumerate(results):
         if res.mode == "oracle":
             res.verdicts = {"tokens": "n/a (oracle moves no KV)"}
             continue
-        progress(f"  verifying {res.mode} against recomputation ({len(res.records)} requests)")
         n = tok = pe_ok = pe_n = de_ok = de_n = 0
         first_bad = None
-        for r in res.records:
+        for ri, r in enumerate(res.records):
             if r.error:
                 continue
-            v = ref.check(r.prompt, r.gen_len, r.tokens, r.n_hit, r.pe_layer_hashes, r.de_layer_hashes)
+            v = verdicts[(mi, ri)]
             n += 1
             tok += v.tokens_match
             if v.pe_kv_match is not None:

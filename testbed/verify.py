@@ -80,3 +80,15 @@ class Reference:
         pe = _layer_hashes(kv, self.geom, n_hit) == pe_hashes if pe_hashes else None
         de = _layer_hashes(kv, self.geom, len(prompt)) == de_hashes if de_hashes else None
         return Verdict(ref_tokens == tokens, pe, de)
+
+
+_REFERENCES: dict[str, Reference] = {}  # per process: one model per checkpoint
+
+
+def check_trajectory(checkpoint: str, geom: BlockGeometry, requests: list[tuple]) -> list[Verdict]:
+    """One trajectory's requests (`Reference.check`'s arguments, in turn order, every mode's in a
+    row) against this process's reference: a worker of `testbed.experiment.verify`."""
+    ref = _REFERENCES.get(checkpoint)
+    if ref is None or ref.geom != geom:
+        ref = _REFERENCES[checkpoint] = Reference(checkpoint, geom)
+    return [ref.check(*args) for args in requests]

@@ -1,0 +1,69 @@
+"""The recomputation check gives the same verdicts in one process and in several (trajectories
+are independent; each worker runs its own single-threaded reference), and still catches a wrong
+token or a wrong layer of KV."""
+from __future__ import annotations
+
+import pytest
+
+from dualpath.model import Transformer
+from dualpath.model.tiny import make_tiny_checkpoint
+from testbed.conductor import RequestRecord
+from testbed.experiment import ModeResult, run_geometry, verify
+from testbed.verify import _layer_hashes
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", seed=0, kind="qwen2", num_hidden_layers=2)
+
+
+def _runs(ckpt, modes=("basic", "dualpath", "oracle")) -> list[ModeResult]:
+    """Three trajectories of three turns, with the tokens and KV hashes an honest engine reports."""
+    import torch
+
+    torch.set_num_threads(1)
+    m = Transformer.from_pretrained(ckpt)
+    geom = run_geometry(ckpt)
+    system = [7 + i % 300 for i in range(70)]
+    recs = []
+    for tid in range(3):
+        context = list(system)
+        for t in range(3):
+            prompt = context + [11 + tid + 5 * t + j for j in range(20 + 9 * t)]
+            gen = m.generate(prompt, 4)
+            n_hit = (len(context) // 32) * 32
+            recs.append(dict(trajectory=tid, turn=t, prompt=prompt, gen_len=4, tokens=gen.tokens, n_hit=n_hit,
+                             pe=_layer_hashes(gen.kv, geom, n_hit) if n_hit else [],
+                             de=_layer_hashes(gen.kv, geom, len(prompt))))
+            context = prompt + gen.tokens
+    out = []
+    for mode in modes:
+        rs = [RequestRecord(f"{mode}-t{d['trajectory']}-r{d['turn']}", d["trajectory"], d["turn"], mode, "pe",
+                            n_prompt=len(d["prompt"]), n_hit=d["n_hit"], gen_len=4, prompt=list(d["prompt"]),
+                            tokens=list(d["tokens"]), pe_layer_hashes=list(d["pe"]), de_layer_hashes=list(d["de"]))
+              for d in recs]
+        out.append(ModeResult(mode, rs, 1.0, None, 0, 0.0, 0.0))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_verdicts_in_one_process_and_in_two(ckpt, workers):
+    geom = run_geometry(ckpt)
+    results = _runs(ckpt)
+    bad_tok = results[1].records[4]  # dualpath, trajectory 1, turn 1: a wrong token
+    bad_tok.tokens[2] = (bad_tok.tokens[2] + 1) % 512
+    bad_kv = results[0].records[8]  # basic, trajectory 2, turn 2: a wrong layer of the DE's KV
+    bad_kv.de_layer_hashes[1] = "0" * 32
+    verify(results, ckpt, geom, lambda _m: None, workers=workers)
+    basic, dual, oracle = (r.verdicts for r in results)
+    assert basic == {"requests": 9, "tokens_match": 9, "pe_kv_bit_exact": "9/9", "de_kv_bit_exact": "8/9",
+                     "all_match": False, "first_mismatch": "basic-t2-r2"}
+    assert dual == {"requests": 9, "tokens_match": 8, "pe_kv_bit_exact": "9/9", "de_kv_bit_exact": "9/9",
+                    "all_match": False, "first_mismatch": "dualpath-t1-r1"}
+    assert oracle == {"tokens": "n/a (oracle moves no KV)"}
+
+
+def test_honest_runs_match(ckpt):
+    results = _runs(ckpt, modes=("layerwise",))
+    verify(results, ckpt, run_geometry(ckpt), lambda _m: None, workers=2)
+    assert results[0].verdicts["all_match"] and results[0].verdicts["tokens_match"] == 9
