@@ -192,10 +192,20 @@ def clean() -> None:
 @app.command("run")
 def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
             modes: str = typer.Option(LADDER, help="comma-separated modes"),
-            trajectories: int = typer.Option(24, min=1, max=1000, help="agentic trajectories (>= 8 turns each)"),
+            trajectories: Optional[int] = typer.Option(None, min=1, max=1000, help="agentic trajectories: "
+                                                       "generated ones (default 24, >= 8 turns each), or with a "
+                                                       "real-text model the first N of its scripted conversations "
+                                                       "(default all 12)"),
             seed: int = typer.Option(0, help="workload seed"),
             checkpoint: Optional[Path] = typer.Option(None, help="a local Qwen2/Llama checkpoint directory "
                                                       "(default: the generated tiny demo model)"),
+            model: Optional[str] = typer.Option(None, help="a model by name (tiny, smollm2, smollm2-bf16: "
+                                                "prepared on first use) or a checkpoint directory; a model "
+                                                "with a tokenizer and chat template runs the real-text workload"),
+            gen_len: Optional[int] = typer.Option(None, min=1, max=256, help="real-text workload: tokens "
+                                                  "generated per turn (default 16)"),
+            compute: Optional[str] = typer.Option(None, help="override the topology's compute: emulated (the "
+                                                  "target GPU's time) or cpu (the host's own time)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
             transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)"),
             quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass "
@@ -211,16 +221,44 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     if transport not in ("tcp", "rdma"):
         _fail(f"--transport: {transport!r} is not tcp or rdma")
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
-             transport, quota_ms / 1000, first_turn_tokens, aps)
+             transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute)
+
+
+# `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
+# (oracle moves none, so it has nothing to check), on the host's own time (see _real_text_time_note)
+REAL_TEXT_MODES = "basic,layerwise,dualpath-rr,dualpath"
+REAL_TEXT_GEN_LEN = 8  # tokens the model writes per turn (a decode step of SmolLM2 costs a few tenths of a second)
 
 
 @app.command()
-def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes")) -> None:
+def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
+         model: str = typer.Option("tiny", help="tiny: the ablation ladder in emulated time (the default); "
+                                   "smollm2: SmolLM2-135M-Instruct on real text in every mode that moves KV, "
+                                   "a correctness run on the host's own time")) -> None:
     """The main job: the ablation ladder on the I/O-bound 1p1d-io, 24 agentic trajectories, in
     emulated time; the verdict, JCT and speed-up over basic beside its bound, tokens and KV against
-    recomputation, bytes per NIC."""
+    recomputation, bytes per NIC. With --model smollm2: a real model's greedy text instead."""
+    if model not in ("tiny", "smollm2"):
+        _fail(f"--model: the demo runs tiny or smollm2, not {model[:80]!r}; fix: choose one of them, or use "
+              f"`dualpath run --model ...` for any other model")
     _need_root()
-    _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)")
+    if model == "tiny":
+        _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)")
+        return
+    _run_e2e(DEMO_TOPOLOGY, REAL_TEXT_MODES, None, 0, None, out, "dualpath demo --model smollm2", model="smollm2",
+             gen_len=REAL_TEXT_GEN_LEN, compute="cpu", note=_real_text_time_note)
+
+
+def _real_text_time_note(emulated_topo, geom) -> str:
+    """What the real-text demo does about time, and why, with this model's numbers."""
+    k = emulated_topo.dilation(geom.kv_bytes_per_token)
+    tgt = emulated_topo.target().model
+    return (f"time: this demo checks correctness with real weights, not timing. SmolLM2's KV is "
+            f"{geom.kv_bytes_per_token:,} B/token ({geom.n_layer} layers), so against {emulated_topo.spec.target.model} "
+            f"({tgt.kv_bytes_per_token:,} B/token) the emulated clock's dilation would be k = {k:.3g} (one emulated "
+            f"second = {k:.0f} s here). It runs with compute: cpu instead: every pass and step takes what this "
+            f"machine's CPU takes, times are testbed seconds, the compute quota is CPU time, and the FAITHFUL "
+            f"verdict (keeping the target's time) does not apply.")
 
 
 @app.command()
@@ -273,7 +311,8 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1, table2, fi
     raise typer.Exit(0 if (result.faithful and not result.missing) else 1)
 
 
-def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path):
+def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
+                    model: Optional[str] = None, compute: Optional[str] = None):
     """Everything a run can check before it brings anything up; one line and exit 2 otherwise.
     Returns (topology, modes, checkpoint, geometry)."""
     import tempfile
@@ -284,6 +323,13 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     from testbed.experiment import run_geometry
 
     t = _topology(topology)
+    if compute is not None:
+        if compute not in ("emulated", "cpu"):
+            _fail(f"--compute: {compute[:80]!r} is not emulated or cpu; fix: choose emulated (the target GPU's "
+                  f"time) or cpu (the host's own time)")
+        from dataclasses import replace
+
+        t = replace(t, spec=t.spec.model_copy(update={"compute": compute}))
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in mode_list if m not in MODES]
     if bad or not mode_list:
@@ -293,7 +339,7 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     if twice:
         _fail(f"--modes: {','.join(twice)} given more than once (each mode's results would overwrite the "
               f"other's); fix: name each mode once")
-    ckpt = checkpoint or _demo_checkpoint()
+    ckpt = _model_checkpoint(model, checkpoint)
     try:
         preflight(ckpt)  # config.json and every safetensors header, without loading a tensor
         geom = run_geometry(ckpt)
@@ -308,20 +354,68 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     return t, mode_list, ckpt, geom
 
 
-def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoint: Optional[Path],
+def _model_checkpoint(model: Optional[str], checkpoint: Optional[Path]) -> Path:
+    """The checkpoint directory of --model (a name, prepared on first use, or a directory) and
+    --checkpoint; both may be given only when they are the same directory."""
+    if model is None:
+        return checkpoint or _demo_checkpoint()
+    from dualpath.model import CheckpointError
+    from dualpath.model.registry import MODEL_NAMES, resolve_model
+
+    try:
+        path = resolve_model(model)
+    except CheckpointError as e:
+        msg = " ".join(str(e).split())
+        _fail(f"--model: {msg}" + ("" if "fix" in msg or "pip install" in msg else
+                                   f"; fix: name one of {', '.join(MODEL_NAMES)} or give a checkpoint directory"))
+    if checkpoint is not None and Path(checkpoint).resolve() != Path(path).resolve():
+        _fail(f"--model {model[:80]} is {path} but --checkpoint is {checkpoint}; fix: give one of them")
+    return Path(path)
+
+
+def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tokens: int, gen_len: Optional[int]):
+    """The real-text conversations for a model with a tokenizer and chat template, else the
+    generated trajectories. One line and exit 2 for options that do not apply."""
+    from dualpath.workload import demo_workload, generate
+    from dualpath.workload.text import CONVERSATIONS, DEFAULT_GEN_LEN, has_chat_template, text_workload
+
+    if has_chat_template(ckpt):
+        n = len(CONVERSATIONS) if trajectories is None else trajectories
+        if n > len(CONVERSATIONS):
+            _fail(f"--trajectories {n}: the real-text workload has {len(CONVERSATIONS)} scripted conversations; "
+                  f"fix: ask for at most {len(CONVERSATIONS)}")
+        if first_turn_tokens:
+            _fail("--first-turn-tokens: the real-text workload's first turns are the conversations' own tasks; "
+                  "fix: drop the option, or run a model without a tokenizer (the generated workload)")
+        try:
+            return text_workload(ckpt, gen_len=gen_len or DEFAULT_GEN_LEN, n_conversations=n)
+        except ValueError as e:
+            _fail(" ".join(str(e).split()))
+    if gen_len is not None:
+        _fail("--gen-len: only for the real-text workload (a model with a tokenizer and chat template, e.g. "
+              "--model smollm2); fix: drop it (the generated workload draws its own lengths)")
+    try:
+        return generate(demo_workload(seed=seed, n_trajectories=24 if trajectories is None else trajectories,
+                                      first_append_len=first_turn_tokens))
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int, checkpoint: Optional[Path],
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
-             aps: float = 0.0) -> None:
+             aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
+             compute: Optional[str] = None, note=None) -> None:
     from dataclasses import replace
 
-    from dualpath.workload import demo_workload, generate, poisson_arrivals, with_arrivals
+    from dualpath.workload import poisson_arrivals, with_arrivals
     from testbed.experiment import run_to_folder
     from testbed.report import e2e_lines
 
-    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out)
-    try:
-        wl = generate(demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens))
-    except ValueError as e:
-        _fail(str(e))
+    t_start = time.monotonic()
+    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute)
+    wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len)
+    if note is not None:  # says what the run does about time, against the topology as written
+        typer.echo(note(_topology(topology), geom))
     extra = {}
     if aps > 0:  # online: agents arrive as a Poisson process at `aps` per emulated second
         k = t.dilation(geom.kv_bytes_per_token)
@@ -332,13 +426,18 @@ def _run_e2e(topology: Path, modes: str, trajectories: int, seed: int, checkpoin
     run_dir = out / time.strftime("%Y%m%d-%H%M%S")
     for line in t.describe(geom.kv_bytes_per_token):
         typer.echo(line)
+    text = getattr(wl, "tokenizer_dir", "")
+    gens = sorted({u.gen_len for x in wl.trajectories for u in x.turns})
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
                f"shared system prompt {len(wl.system_prompt)} tokens"
-               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {ckpt}")
+               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {ckpt}"
+               + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
+                  f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra)
     for line in e2e_lines(summary):
         typer.echo(line)
-    typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s)")
+    typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
+               f"the whole command {time.monotonic() - t_start:.0f} s)")
     ok = all(m["errors"] == 0 and m["verification"].get("all_match", True) for m in summary["modes"].values())
     raise typer.Exit(0 if ok else 1)
 

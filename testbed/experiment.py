@@ -435,16 +435,65 @@ def interfaces_of(r: RequestRecord, mode: str) -> dict[str, int]:
     return out
 
 
+def _decoder(checkpoint: str | Path | None) -> Callable[..., str] | None:
+    """ids -> text with the checkpoint's tokenizer (special tokens kept unless `skip`), or None
+    for a model without one."""
+    from dualpath.workload.text import tokenizer_or_none
+
+    tok = tokenizer_or_none(checkpoint)
+    if tok is None:
+        return None
+    return lambda ids, skip=False: tok.decode(list(ids), skip_special_tokens=skip)
+
+
+EXCERPT_CHARS = 110  # per turn and side, in the report's conversation
+
+
+def _excerpt(text: str, chars: int = EXCERPT_CHARS) -> str:
+    one = " ".join(text.split())
+    return one if len(one) <= chars else one[:chars - 1] + "…"
+
+
+def conversation(results: list[ModeResult], checkpoint: str | Path, workload: Workload) -> dict[str, Any] | None:
+    """One conversation's text as the run produced it (summary.json's `conversation`, the
+    report's excerpt): per turn, what was added to the context (the user's task or the tool
+    output, without the chat template's special tokens) and what the model answered. From the
+    dualpath mode (else the first that moves KV), the lowest trajectory that completed; None
+    for a model without a tokenizer."""
+    decode = _decoder(checkpoint)
+    if decode is None or not results:
+        return None
+    res = (next((r for r in results if r.mode == "dualpath"), None)
+           or next((r for r in results if r.mode != "oracle"), results[0]))
+    recs = sorted((r for r in res.records if r.trajectory >= 0), key=lambda r: (r.trajectory, r.turn))
+    done = sorted({r.trajectory for r in recs} - {r.trajectory for r in recs if r.error})
+    if not done:
+        return None
+    tid = done[0]
+    turns, before = [], list(workload.system_prompt)
+    for r in (x for x in recs if x.trajectory == tid):
+        new = r.prompt[len(before):] if r.prompt[:len(before)] == before else r.prompt
+        turns.append({"turn": r.turn, "input": _excerpt(decode(new, skip=True)),
+                      "output": _excerpt(decode(r.tokens, skip=True))})
+        before = list(r.prompt) + list(r.tokens)
+    title = next((getattr(t, "title", "") for t in workload.trajectories if t.id == tid), "")
+    return {"mode": res.mode, "trajectory": tid, "title": title, "turns": turns}
+
+
 def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: Path, command: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **summary}, indent=2) + "\n")
     k = summary.get("dilation", 1.0)
+    # With a tokenizer, every record carries its prompt and output as text, decoded here once
+    # (records keep no prompt ids: the text is the prompt's one copy)
+    decode = _decoder(summary.get("checkpoint"))
     with open(run_dir / "records.jsonl", "w") as f:
         for res in results:
             for r in res.records:
                 lat = token_latencies(r.t_arrive, r.token_times) if r.token_times else {}
                 emulated = {f"{name}_s": (round(v / k, 6) if v is not None else None) for name, v in lat.items()}
-                f.write(json.dumps({**r.to_json(), **emulated, "interfaces": interfaces_of(r, res.mode)}) + "\n")
+                text = {"prompt_text": decode(r.prompt), "output_text": decode(r.tokens)} if decode else {}
+                f.write(json.dumps({**r.to_json(), **emulated, "interfaces": interfaces_of(r, res.mode), **text}) + "\n")
     # the engines' own time series: every prefill pass and decode step (testbed seconds)
     with open(run_dir / "passes.jsonl", "w") as f:
         for res in results:
@@ -489,6 +538,9 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "first_turn_tokens": workload.config.first_append_len,
                     "transport": results[0].transport if results else transport,
                     "workload": workload.config.to_dict(), **(extra or {})})
+    conv = conversation(results, checkpoint, workload)
+    if conv:
+        summary["conversation"] = conv
     write_results(results, summary, run_dir, command)
     (run_dir / "report.md").write_text(f"# dualpath run: {topo.name}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(e2e_lines(summary)) + "\n```\n")

@@ -98,6 +98,21 @@ def e2e_lines(summary: dict) -> list[str]:
     ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
     lines.extend(_balance_lines(summary))
+    lines.extend(conversation_lines(summary))
+    return lines
+
+
+def conversation_lines(summary: dict) -> list[str]:
+    """One real-text conversation, a short excerpt per turn (runs of a model with a tokenizer)."""
+    c = summary.get("conversation")
+    if not c:
+        return []
+    title = f" ({c['title']})" if c.get("title") else ""
+    lines = [f"real text: conversation {c['trajectory']}{title} in {c['mode']}, greedy, {len(c['turns'])} turns; "
+             "excerpts without the chat template's markup (records.jsonl: every request's prompt_text, output_text)"]
+    for t in c["turns"]:
+        lines.append(f"  turn {t['turn']}  in:  {t['input']}")
+        lines.append(f"  {'':<6} out: {t['output']}")
     return lines
 
 

@@ -110,6 +110,30 @@ def decode(tokens: Sequence[int], checkpoint: str | Path | None = None) -> str:
     return load_tokenizer(str(_checkpoint(checkpoint))).decode(list(tokens), skip_special_tokens=False)
 
 
+def has_chat_template(checkpoint: str | Path) -> bool:
+    """Whether a checkpoint directory has a tokenizer and a chat template (so it can run the
+    real-text workload), read from its files without loading anything."""
+    import json
+
+    d = Path(checkpoint)
+    if not (d / "tokenizer.json").is_file():
+        return False
+    if (d / "chat_template.jinja").is_file():
+        return True
+    try:
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("chat_template"))
+
+
+def tokenizer_or_none(checkpoint: str | Path | None) -> Any:
+    """The checkpoint directory's tokenizer, or None when it has none (the tiny random models)."""
+    if not checkpoint or not (Path(checkpoint) / "tokenizer.json").is_file():
+        return None
+    return load_tokenizer(str(Path(checkpoint)))
+
+
 def encode(text: str, checkpoint: str | Path | None = None) -> list[int]:
     """Text -> token ids, without adding BOS/EOS (special tokens written in the text are parsed)."""
     return load_tokenizer(str(_checkpoint(checkpoint))).encode(text, add_special_tokens=False)
