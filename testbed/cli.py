@@ -204,6 +204,8 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                                 "with a tokenizer and chat template runs the real-text workload"),
             gen_len: Optional[int] = typer.Option(None, min=1, max=256, help="real-text workload: tokens "
                                                   "generated per turn (default 16)"),
+            max_turns: Optional[int] = typer.Option(None, min=1, max=100, help="real-text workload: each "
+                                                    "conversation's first N turns (default all, 6 to 8)"),
             compute: Optional[str] = typer.Option(None, help="override the topology's compute: emulated (the "
                                                   "target GPU's time) or cpu (the host's own time)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
@@ -221,13 +223,20 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     if transport not in ("tcp", "rdma"):
         _fail(f"--transport: {transport!r} is not tcp or rdma")
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
-             transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute)
+             transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
+             max_turns=max_turns)
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
 # (oracle moves none, so it has nothing to check), on the host's own time (see _real_text_time_note)
 REAL_TEXT_MODES = "basic,layerwise,dualpath-rr,dualpath"
-REAL_TEXT_GEN_LEN = 8  # tokens the model writes per turn (a decode step of SmolLM2 costs a few tenths of a second)
+# 1p1d, not the I/O-bound 1p1d-io: SmolLM2's 46 KB of KV per token would keep 1p1d-io's 75 Mbit/s
+# SNICs reading for minutes per mode (basic read 1.7 GB of hits through one of them in 190 s)
+REAL_TEXT_TOPOLOGY = DEFAULT_TOPOLOGY
+# Its size: the least the acceptance asks (10 conversations of 6 turns), 8 tokens written per turn.
+# SmolLM2 costs about 10 ms of CPU per prefilled token and 0.15-0.3 s per decode step here, and
+# the whole workload (12 conversations, 78 turns, 16 tokens) took 13 minutes on a shared machine.
+REAL_TEXT_CONVERSATIONS, REAL_TEXT_TURNS, REAL_TEXT_GEN_LEN = 10, 6, 8
 
 
 @app.command()
@@ -245,8 +254,9 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
     if model == "tiny":
         _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)")
         return
-    _run_e2e(DEMO_TOPOLOGY, REAL_TEXT_MODES, None, 0, None, out, "dualpath demo --model smollm2", model="smollm2",
-             gen_len=REAL_TEXT_GEN_LEN, compute="cpu", note=_real_text_time_note)
+    _run_e2e(REAL_TEXT_TOPOLOGY, REAL_TEXT_MODES, REAL_TEXT_CONVERSATIONS, 0, None, out, "dualpath demo --model smollm2",
+             model="smollm2", gen_len=REAL_TEXT_GEN_LEN, max_turns=REAL_TEXT_TURNS, compute="cpu",
+             note=_real_text_time_note)
 
 
 def _real_text_time_note(emulated_topo, geom) -> str:
@@ -373,7 +383,8 @@ def _model_checkpoint(model: Optional[str], checkpoint: Optional[Path]) -> Path:
     return Path(path)
 
 
-def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tokens: int, gen_len: Optional[int]):
+def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tokens: int, gen_len: Optional[int],
+              max_turns: Optional[int] = None):
     """The real-text conversations for a model with a tokenizer and chat template, else the
     generated trajectories. One line and exit 2 for options that do not apply."""
     from dualpath.workload import demo_workload, generate
@@ -388,9 +399,12 @@ def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tok
             _fail("--first-turn-tokens: the real-text workload's first turns are the conversations' own tasks; "
                   "fix: drop the option, or run a model without a tokenizer (the generated workload)")
         try:
-            return text_workload(ckpt, gen_len=gen_len or DEFAULT_GEN_LEN, n_conversations=n)
+            return text_workload(ckpt, gen_len=gen_len or DEFAULT_GEN_LEN, n_conversations=n, max_turns=max_turns)
         except ValueError as e:
             _fail(" ".join(str(e).split()))
+    if max_turns is not None:
+        _fail("--max-turns: only for the real-text workload (a model with a tokenizer and chat template, e.g. "
+              "--model smollm2); fix: drop it (the generated workload draws its own turns)")
     if gen_len is not None:
         _fail("--gen-len: only for the real-text workload (a model with a tokenizer and chat template, e.g. "
               "--model smollm2); fix: drop it (the generated workload draws its own lengths)")
@@ -404,7 +418,7 @@ def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tok
 def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int, checkpoint: Optional[Path],
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
-             compute: Optional[str] = None, note=None) -> None:
+             compute: Optional[str] = None, note=None, max_turns: Optional[int] = None) -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
@@ -413,7 +427,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
 
     t_start = time.monotonic()
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute)
-    wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len)
+    wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
     if note is not None:  # says what the run does about time, against the topology as written
         typer.echo(note(_topology(topology), geom))
     extra = {}

@@ -154,8 +154,10 @@ def test_bad_model_options(capsys, smollm2_dir, tiny, tmp_path):
     refused(capsys, cli._workload, tiny, None, 0, 0, 8, words=("--gen-len", "real-text"))
     refused(capsys, cli._workload, smollm2_dir, 13, 0, 0, None, words=("--trajectories 13", "12"))
     refused(capsys, cli._workload, smollm2_dir, None, 0, 100, None, words=("--first-turn-tokens",))
-    w = cli._workload(smollm2_dir, 10, 0, 0, 8)
+    refused(capsys, cli._workload, tiny, None, 0, 0, None, 6, words=("--max-turns", "real-text"))
+    w = cli._workload(smollm2_dir, 10, 0, 0, 8, 6)
     assert len(w.trajectories) == 10 and all(u.gen_len == 8 for x in w.trajectories for u in x.turns)
+    assert [x.n_turns for x in w.trajectories] == [6] * 10  # the demo's size: the least the acceptance asks
     assert len(cli._workload(tiny, None, 0, 0, None).trajectories) == 24  # the generated default
 
 
@@ -177,6 +179,7 @@ GUARDED_CLI = (
     (["run", str(TOPO), "--gen-len", "8"], ["--gen-len"]),
     (["run", str(TOPO), "--gen-len", "0"], ["--gen-len"]),
     (["run", str(TOPO), "--compute", "tpu"], ["--compute", "tpu"]),
+    (["run", str(TOPO), "--max-turns", "3"], ["--max-turns"]),
     (["demo", "--model", "smollm2-bf16"], ["--model", "smollm2-bf16", "tiny or smollm2"]),
 ])
 def test_the_cli_fails_in_one_line(smollm2_dir, args, words):

@@ -172,13 +172,16 @@ def conversation_pieces(tok, system: str, task: str, tool_outputs: Sequence[str]
 
 
 def text_workload(checkpoint: str | Path | None = None, *, gen_len: int | Sequence[int] = DEFAULT_GEN_LEN,
-                  n_conversations: int | None = None) -> TextWorkload:
+                  n_conversations: int | None = None, max_turns: int | None = None) -> TextWorkload:
     """The scripted coding-agent conversations as a workload.
 
     checkpoint: whose tokenizer and chat template (a model name or directory; default "smollm2").
     gen_len: tokens generated per turn; a sequence is cycled over each conversation's turns.
     n_conversations: the first n of the scripts (default all of them).
+    max_turns: each conversation's first turns only (default all; every script has at least 6).
     """
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns!r}")
     ckpt = _checkpoint(checkpoint)
     tok = load_tokenizer(str(ckpt))
     gens = [gen_len] if isinstance(gen_len, int) else list(gen_len)
@@ -197,7 +200,7 @@ def text_workload(checkpoint: str | Path | None = None, *, gen_len: int | Sequen
         messages = [c["task"], *(f"Tool output:\n{o}" for o in c["outputs"])]
         turns = tuple(TextTurn(tuple(tok.encode(a, add_special_tokens=False)), gens[t % len(gens)], append_text=a,
                                message=messages[t], scripted_reply=c["replies"][t])
-                      for t, a in enumerate(appends))
+                      for t, a in enumerate(appends[:max_turns]))
         trajs.append(TextTrajectory(i, system_ids, turns, title=c["title"], task=c["task"]))
     n_turns = [tr.n_turns for tr in trajs]
     apps = [len(u.append) for tr in trajs for u in tr.turns]
