@@ -37,9 +37,9 @@ from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
+from testbed.modes import MODES, connector_of  # MODES is re-exported here
 from testbed.scheduling import Router
 
-MODES = ("basic", "layerwise", "dualpath", "dualpath-rr", "dualpath-split", "oracle")
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Conductor:
                         for n, p in cluster.procs.items() if p.role == "host"}
         self._space = asyncio.Condition()
         self.router = router
-        self.connector = "oracle" if mode == "oracle" else "basic" if mode == "basic" else "layerwise"
+        self.connector = connector_of(mode)
         self.cost_model, self.quota_s = cost_model or AttentionCostModel(), quota_s
         self._queues: dict[str, PrefillQueue] = {}  # per PE: its waiting prefill work, chunk by chunk
         self._jobs: dict[str, PrefillJob] = {}

@@ -23,9 +23,10 @@ from dualpath.workload import Workload
 from testbed import counters
 from testbed.cluster import CONDUCTOR_IP, Cluster
 from testbed.conductor import MODES, Conductor, RequestRecord
+from testbed.modes import PATH_POLICY
 from testbed.fabric import Fabric
 from testbed.fidelity import link_use, verdict as fidelity_verdict
-from testbed.metrics import percentiles, token_latencies
+from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import CPU_SATURATED, Monitor
 from testbed.runclock import RunClock
 from testbed.topology import Topology
@@ -147,16 +148,6 @@ def _time_series(mon: Monitor, fab: Fabric, t0: float) -> list[dict]:
                     "nics": {names[d]: [tx, rx] for d, (rx, tx) in smp.bytes.items() if d in names}})
         prev = smp
     return out
-
-
-# What each step of the ablation ladder changes, one thing at a time: every mode runs through the
-# scheduler (Algorithm 1 for PEs, the two DE phases), and the modes differ in the read path it
-# picks and in the connector (dualpath/kv/plan.py): basic reads on the PE side and loads every
-# layer before computing; layerwise overlaps each layer's load with the previous one's compute;
-# dualpath-rr reads on both sides in turn; dualpath on the side with the shorter read queue;
-# dualpath-split on both at once; oracle skips all I/O (dualpath's decisions, nothing moved).
-PATH_POLICY = {"basic": "pe", "layerwise": "pe", "dualpath-rr": "rr", "dualpath": "shorter",
-               "dualpath-split": "split", "oracle": "shorter"}
 
 
 def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock: "RunClock") -> ServiceRouter:
@@ -325,9 +316,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
                                        if pe_att and sum(pe_att.values()) else None),
             # per forward step across PEs: while loaded (the target), by wall time, and every step
-            "forward_attention_max_over_avg": _forward_balance(res.batches),
-            "forward_attention_wall_max_over_avg": _forward_balance(res.batches, "attention_wall_s"),
-            "forward_attention_all_steps": _forward_balance(res.batches, loaded_only=False),
+            "forward_attention_max_over_avg": forward_balance(res.batches),
+            "forward_attention_wall_max_over_avg": forward_balance(res.batches, "attention_wall_s"),
+            "forward_attention_all_steps": forward_balance(res.batches, loaded_only=False),
             "forward_batches": len(res.batches),
             "chunked_requests": sum(r.passes > 1 for r in ok),
             "scheduler": res.scheduler,
@@ -347,53 +338,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                          "storage_nics": [u.to_dict() for u in res.links],
                          "cpu_by_thread": res.cpu_threads},
         }
-    _speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
+    speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     return out
-
-
-def _speedups(modes: dict[str, dict], p: int, d: int) -> None:
-    """speedup_over_basic per mode, and the bound it is judged against: min((P+D)/P, the SNIC
-    bound of reading on every node instead of the prefill nodes only, and basic/oracle, the most
-    that removing all I/O could give), from the same run."""
-    basic = modes.get("basic")
-    if not basic or not basic["jct_s"]:
-        return
-    bound = (p + d) / p
-    oracle = modes.get("oracle")
-    if oracle and oracle["jct_s"]:
-        bound = min(bound, basic["jct_s"] / oracle["jct_s"])
-    for m in modes.values():
-        m["speedup_over_basic"] = round(basic["jct_s"] / m["jct_s"], 4) if m["jct_s"] else None
-        m["speedup_bound"] = round(bound, 4)
-
-
-def _forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: bool = True) -> dict[str, Any] | None:
-    """Attention time max/avg across PEs per forward step.
-
-    Step k is each PE's k-th forward pass (data-parallel engines step together in the
-    paper). With `loaded_only`, a step counts only when every PE's k-th pass was loaded:
-    work was left for its next pass, so the compute quota, not an empty queue, ended it
-    (the paper measures while engines are loaded, early in a run). Median and max over the
-    counted steps, and how many there were.
-    """
-    per: dict[str, list[dict]] = {}
-    for b in batches:
-        per.setdefault(b["pe"], []).append(b)
-    if len(per) < 2:
-        return None
-    ratios = []
-    for k in range(min(len(v) for v in per.values())):
-        step = [v[k] for v in per.values()]
-        if loaded_only and not all(b["loaded"] for b in step):
-            continue
-        vals = [b[key] for b in step]
-        mean = sum(vals) / len(vals)
-        if mean > 0:
-            ratios.append(max(vals) / mean)
-    if not ratios:
-        return {"steps": 0}
-    ratios.sort()
-    return {"steps": len(ratios), "median": round(ratios[len(ratios) // 2], 3), "max": round(ratios[-1], 3)}
 
 
 def _per_nic(rows) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ Requests with too few tokens have no TTST (1 token) or TPOT (< 3 tokens).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 PERCENTILES = (50, 90, 99)
 
@@ -56,3 +56,48 @@ def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
+
+
+def speedups(modes: dict[str, dict], p: int, d: int) -> None:
+    """speedup_over_basic per mode, and the bound it is judged against: min((P+D)/P, the SNIC
+    bound of reading on every node instead of the prefill nodes only, and basic/oracle, the most
+    that removing all I/O could give), from the same run."""
+    basic = modes.get("basic")
+    if not basic or not basic["jct_s"]:
+        return
+    bound = (p + d) / p
+    oracle = modes.get("oracle")
+    if oracle and oracle["jct_s"]:
+        bound = min(bound, basic["jct_s"] / oracle["jct_s"])
+    for m in modes.values():
+        m["speedup_over_basic"] = round(basic["jct_s"] / m["jct_s"], 4) if m["jct_s"] else None
+        m["speedup_bound"] = round(bound, 4)
+
+
+def forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: bool = True) -> dict[str, Any] | None:
+    """Attention time max/avg across PEs per forward step.
+
+    Step k is each PE's k-th forward pass (data-parallel engines step together in the
+    paper). With `loaded_only`, a step counts only when every PE's k-th pass was loaded:
+    work was left for its next pass, so the compute quota, not an empty queue, ended it
+    (the paper measures while engines are loaded, early in a run). Median and max over the
+    counted steps, and how many there were.
+    """
+    per: dict[str, list[dict]] = {}
+    for b in batches:
+        per.setdefault(b["pe"], []).append(b)
+    if len(per) < 2:
+        return None
+    ratios = []
+    for k in range(min(len(v) for v in per.values())):
+        step = [v[k] for v in per.values()]
+        if loaded_only and not all(b["loaded"] for b in step):
+            continue
+        vals = [b[key] for b in step]
+        mean = sum(vals) / len(vals)
+        if mean > 0:
+            ratios.append(max(vals) / mean)
+    if not ratios:
+        return {"steps": 0}
+    ratios.sort()
+    return {"steps": len(ratios), "median": round(ratios[len(ratios) // 2], 3), "max": round(ratios[-1], 3)}

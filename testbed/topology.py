@@ -400,11 +400,13 @@ def _parse_yaml(text: str, src: str) -> Any:
             loader.dispose()
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology file; raise TopologyError with a one-line message."""
+def load_topology(path: str | Path, carried: bool = True) -> Topology:
+    """Read and validate a topology file; raise TopologyError with a one-line message.
+    `carried=False` skips the bounds of what this machine's emulation can carry (rates, engine
+    count, buffer sizes): for the simulator, which runs clusters no testbed here could."""
     path = Path(path)
     src = _source(path)
-    return parse_topology(_parse_yaml(_read(path, src), src), source=src)
+    return parse_topology(_parse_yaml(_read(path, src), src), source=src, carried=carried)
 
 
 def machine_memory_bytes() -> int:
@@ -415,8 +417,10 @@ def machine_memory_bytes() -> int:
         return 0
 
 
-def parse_topology(raw: Any, source: str = "<topology>", memory_bytes: int | None = None) -> Topology:
-    """Validate a topology's fields; `memory_bytes` (default: this machine's) bounds the buffers."""
+def parse_topology(raw: Any, source: str = "<topology>", memory_bytes: int | None = None,
+                   carried: bool = True) -> Topology:
+    """Validate a topology's fields; `memory_bytes` (default: this machine's) bounds the buffers;
+    `carried=False` skips those emulation bounds altogether (see load_topology)."""
     if not isinstance(raw, dict):
         raise TopologyError(f"{source}: expected a mapping of fields at the top level; "
                             "fix: see topologies/1p1d.yaml")
@@ -424,7 +428,8 @@ def parse_topology(raw: Any, source: str = "<topology>", memory_bytes: int | Non
         topo = Topology(spec=TopologySpec.model_validate(raw), source=source)
     except ValidationError as e:
         raise TopologyError(_one_line(e, source)) from None
-    _check_carried(topo, source, machine_memory_bytes() if memory_bytes is None else memory_bytes)
+    if carried:
+        _check_carried(topo, source, machine_memory_bytes() if memory_bytes is None else memory_bytes)
     return topo
 
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dualpath.kv.layouts import BlockGeometry
 from dualpath.store.keys import chain_keys
+
+if TYPE_CHECKING:  # annotations only: planning needs block_size and blocks_spanned, not torch
+    from dualpath.kv.layouts import BlockGeometry
 
 PATHS = ("pe", "de", "split", "none")
 CONNECTORS = ("basic", "layerwise", "oracle")

@@ -33,6 +33,19 @@ log = logging.getLogger(__name__)
 MAX_MSG_BYTES = 8 << 20  # zmq drops bigger messages before they reach Python
 
 
+def groups_to_ring(scheduler: Scheduler, seen: dict[str, tuple]) -> list[str]:
+    """The doorbell's rule, after every message the service handled: the groups whose waiting
+    work changed (`seen` keeps what each was last rung or passed over for) to something they
+    should pull. The live service rings them on its PUB socket; the simulator wakes its leaders."""
+    out = []
+    for group, work in scheduler.work_for_groups().items():
+        if work != seen.get(group):
+            seen[group] = work
+            if any(work):
+                out.append(group)
+    return out
+
+
 def bell_topic(group: str) -> bytes:
     """A group's doorbell message (and SUB filter): the name and a terminator, so that one
     group's name being a prefix of another's cannot wake the wrong leader."""
@@ -145,14 +158,11 @@ class SchedulerService:
 
     def _ring(self) -> None:
         """Ring every group whose waiting work changed to something it should pull."""
-        for group, work in self.scheduler.work_for_groups().items():
-            if work != self._work_seen.get(group):
-                self._work_seen[group] = work
-                if any(work):
-                    try:
-                        self._bell.send(bell_topic(group), zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
+        for group in groups_to_ring(self.scheduler, self._work_seen):
+            try:
+                self._bell.send(bell_topic(group), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def close(self) -> None:
         self._sock.close(linger=0)

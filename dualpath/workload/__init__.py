@@ -2,14 +2,14 @@
 public Mooncake traces, scripted real-text conversations (text.py), and the KV hit rate they imply."""
 from .trajectories import (
     RESERVED_TOKENS, PaperTraceSet, Trajectory, Turn, TurnHit, Workload, WorkloadConfig, demo_workload,
-    generate, hit_rate, paper_presets, poisson_arrivals, scaled, turn_hits, with_arrivals, workload_stats,
+    generate, generate_lengths, hit_rate, paper_presets, poisson_arrivals, scaled, turn_hits, with_arrivals, workload_stats,
 )
 from .text import TextTrajectory, TextTurn, TextWorkload, text_workload
 
 __all__ = [
     "MOONCAKE_BLOCK", "TraceError", "TraceRequest", "load_mooncake", "prefix_hit_rate", "to_trajectories",
     "RESERVED_TOKENS", "PaperTraceSet", "Trajectory", "Turn", "TurnHit", "Workload", "WorkloadConfig",
-    "demo_workload", "generate", "hit_rate", "paper_presets", "poisson_arrivals", "scaled", "turn_hits",
+    "demo_workload", "generate", "generate_lengths", "hit_rate", "paper_presets", "poisson_arrivals", "scaled", "turn_hits",
     "with_arrivals", "workload_stats", "TextTrajectory", "TextTurn", "TextWorkload", "text_workload",
 ]
 

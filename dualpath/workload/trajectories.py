@@ -194,6 +194,28 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.integers(RESERVED_TOKENS, vocab, size=n).tolist())
 
 
+def _turn_lengths(c: WorkloadConfig, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """One trajectory's (append, gen) lengths after truncation at max_len, drawn from its stream
+    before any token id (so the lengths alone come out the same as in `generate`)."""
+    n = sample_turns(rng, c.turns_mean, c.turns_cv, c.turns_min)
+    apps = sample_lengths(rng, n, c.append_mean, c.append_cv, c.length_dist)
+    gens = sample_lengths(rng, n, c.gen_mean, c.gen_cv, c.length_dist)
+    out: list[tuple[int, int]] = []
+    ctx = c.system_prompt_len
+    if c.first_append_len:
+        apps[0] = c.first_append_len
+    for t in range(n):
+        a, g = int(apps[t]), int(gens[t])
+        if ctx + a + g > c.max_len:
+            if t > 0:
+                break
+            a = min(a, c.max_len - ctx - 1)  # keep the first turn: shrink it to fit
+            g = min(g, c.max_len - ctx - a)
+        out.append((a, g))
+        ctx += a + g
+    return out
+
+
 def generate(config: WorkloadConfig) -> Workload:
     """The workload a config describes; the same config always gives the same workload."""
     c = config
@@ -201,24 +223,15 @@ def generate(config: WorkloadConfig) -> Workload:
     trajs = []
     for i in range(c.n_trajectories):
         rng = np.random.default_rng([c.seed, 1 + i])
-        n = sample_turns(rng, c.turns_mean, c.turns_cv, c.turns_min)
-        apps = sample_lengths(rng, n, c.append_mean, c.append_cv, c.length_dist)
-        gens = sample_lengths(rng, n, c.gen_mean, c.gen_cv, c.length_dist)
-        turns: list[Turn] = []
-        ctx = c.system_prompt_len
-        if c.first_append_len:
-            apps[0] = c.first_append_len
-        for t in range(n):
-            a, g = int(apps[t]), int(gens[t])
-            if ctx + a + g > c.max_len:
-                if t > 0:
-                    break
-                a = min(a, c.max_len - ctx - 1)  # keep the first turn: shrink it to fit
-                g = min(g, c.max_len - ctx - a)
-            turns.append(Turn(_tokens(rng, a, c.vocab_size), g))
-            ctx += a + g
+        turns = [Turn(_tokens(rng, a, c.vocab_size), g) for a, g in _turn_lengths(c, rng)]
         trajs.append(Trajectory(i, system, tuple(turns)))
     return Workload(c, system, tuple(trajs))
+
+
+def generate_lengths(config: WorkloadConfig) -> list[list[tuple[int, int]]]:
+    """Per trajectory, its turns' (append, gen) lengths: exactly those of `generate(config)`,
+    without drawing a token id (a simulator of 48K agents needs the lengths only)."""
+    return [_turn_lengths(config, np.random.default_rng([config.seed, 1 + i])) for i in range(config.n_trajectories)]
 
 
 # --------------------------------------------------------------------------- hit rate

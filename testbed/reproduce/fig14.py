@@ -1,7 +1,7 @@
 """Figure 14: attention-time max/avg across the prefill engines per forward step, over time.
 
 From passes.jsonl: step k is each PE's k-th forward pass (the engines of a data-parallel group
-step together in the paper; testbed.experiment._forward_balance pairs them the same way); its
+step together in the paper; testbed.metrics.forward_balance pairs them the same way); its
 ratio is max/avg of the passes' attention time (emulated: the target's time of each pass) across
 the PEs, at the mean start time of its passes. A step counts as loaded when every PE's pass was
 loaded (work was left for its next pass: the quota, not an empty queue, ended it); the paper

@@ -1,0 +1,186 @@
+"""The simulator's cluster (emulators/sim/cluster.py, network.py) and its testbed glue (testbed/sim.py):
+the lazy flow network against the reference flow model, hand-solved cases, and whole runs that
+must keep the testbed's invariants."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import dualpath.scheduler.core as core
+from dualpath.traffic_classes import KV, MODEL
+from emulators.sim import cluster as sim_cluster
+from emulators.sim.calibration import UNCALIBRATED, Calibration
+from emulators.sim.flows import Flow, FlowNetwork, Link
+from emulators.sim.network import FastFlowNetwork
+from testbed.sim import sim_config, simulate, summarize, trajectories
+from testbed.topology import load_topology
+from dualpath.workload import demo_workload
+from tests.test_sim_flows import networks
+
+B = 8
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- the lazy network
+
+
+def test_two_flows_on_one_link_share_it_and_the_survivor_takes_it_all():
+    link = Link("l", 1000 * B)
+    n = FastFlowNetwork()
+    a = n.start([link], 1000)
+    b = n.start([link], 500)
+    assert n.rates() == {a.id: 500 * B, b.id: 500 * B}
+    done = n.advance_to(10)
+    # b ends at 1 s (500 B at 500 B/s); a has 500 B left, alone at 1000 B/s: 1.5 s
+    assert [(f.id, f.finish) for f in done] == [(b.id, 1.0), (a.id, 1.5)]
+
+
+def test_priority_class_takes_its_share_of_a_qos_link_against_best_effort():
+    link = Link("l", 255 * B, qos=True)
+    n = FastFlowNetwork()
+    m = n.start([link], 1e6, MODEL.name)
+    k = n.start([link], 1e6, KV.name)
+    r = n.rates()
+    assert r[m.id] == pytest.approx(240 * B, rel=1e-12) and r[k.id] == pytest.approx(15 * B, rel=1e-12)
+
+
+def test_three_hop_path_runs_at_its_narrowest_hop_and_a_cross_flow_shares_only_that_hop():
+    a, mid, c = Link("a", 300 * B), Link("mid", 100 * B), Link("c", 300 * B)
+    n = FastFlowNetwork()
+    f = n.start([a, mid, c], 100)
+    assert n.rates() == {f.id: 100 * B}
+    g = n.start([mid], 50)
+    assert n.rates() == {f.id: 50 * B, g.id: 50 * B}
+    # g ends at 1 s; f has 50 B left at 100 B/s: 1.5 s
+    assert [(x.id, x.finish) for x in n.advance_to(5)] == [(g.id, 1.0), (f.id, 1.5)]
+
+
+def test_a_slack_host_port_binds_nothing():
+    # g flows each through its own B compute NIC into one g*B host port: every flow gets B
+    port = Link("port", 4 * 100 * B)
+    n = FastFlowNetwork()
+    fs = [n.start([Link(f"cnic{i}", 100 * B), port], 100) for i in range(4)]
+    assert set(n.rates().values()) == {100 * B}
+    assert [x.finish for x in n.advance_to(2)] == [1.0] * 4
+    assert n.delivered[port] == 400 and all(f.done for f in fs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(networks())
+def test_lazy_network_completes_every_flow_when_the_reference_model_does(net):
+    _, flows = net
+    ref = FlowNetwork()
+    for f in flows:
+        ref.add(Flow(f.id, f.path, f.bytes, f.traffic_class, f.start))
+    want = ref.run()
+    fast = FastFlowNetwork()
+    got: dict = {}
+    for f in sorted(flows, key=lambda f: f.start):
+        for d in fast.advance_to(f.start):
+            got[d.id] = d.finish
+        x = fast.start(f.path, f.bytes, f.traffic_class, id=f.id)
+        if x.done:
+            got[x.id] = x.finish
+    for d in fast.advance_to(1e9):
+        got[d.id] = d.finish
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def _setup(n_traj=4, topo="1p1d-io", cal=UNCALIBRATED, aps=None):
+    t = load_topology(ROOT / "topologies" / f"{topo}.yaml")
+    cfg = sim_config(t, cal=cal)
+    w = demo_workload(n_trajectories=n_traj)
+    return t, cfg, w, trajectories(w, cfg.dilation, aps=aps)
+
+
+def test_the_sim_runs_the_scheduler_core_itself():
+    assert sim_cluster.Scheduler is core.Scheduler
+    assert "class Scheduler" not in inspect.getsource(sim_cluster)
+    _, cfg, _, trajs = _setup(1)
+    sim = sim_cluster.ClusterSim(cfg, "dualpath", "layerwise", "shorter", trajs)
+    assert type(sim.sched) is core.Scheduler
+
+
+def test_a_small_run_finishes_every_request_deterministically_with_the_summary_keys():
+    topo, cfg, w, trajs = _setup(4)
+    modes = ["basic", "dualpath", "oracle"]
+    a = simulate(cfg, trajs, modes)
+    b = simulate(cfg, trajs, modes)
+    n_turns = sum(len(t.turns) for t in trajs)
+    for m in modes:
+        assert len(a[m].records) == n_turns
+        assert [r.token_times for r in a[m].records] == [r.token_times for r in b[m].records]
+        assert a[m].jct_s == b[m].jct_s
+    s = summarize(a, cfg, topo, w, "testbed")
+    for m in modes:
+        v = s["modes"][m]
+        assert {"jct_s", "ttft_s", "tpot_s", "snic_max_over_avg"} <= v.keys()
+        assert v["errors"] == 0 and v["ttft_s"]["p50"] > 0
+    assert s["modes"]["oracle"]["jct_s"] < s["modes"]["dualpath"]["jct_s"] < s["modes"]["basic"]["jct_s"]
+
+
+def test_bytes_read_are_the_hits_and_go_where_the_path_says():
+    topo, cfg, w, trajs = _setup(4)
+    res = simulate(cfg, trajs, ["basic", "dualpath", "oracle"])
+    kvb = cfg.kv_bytes_per_token
+    fbb = cfg.full_block_bytes
+    for m in ("basic", "dualpath"):
+        snic = {k: v for k, v in res[m].link_bytes.items() if k.endswith("/snic/rx")}
+        hit = sum(r.n_hit for r in res[m].records) * kvb
+        assert sum(snic.values()) == pytest.approx(hit, rel=1e-9)
+        wb = sum(r.writeback_bytes for r in res[m].records)
+        tx = sum(v for k, v in res[m].link_bytes.items() if k.endswith("/snic/tx"))
+        assert tx == pytest.approx(wb, rel=1e-9) and wb % fbb == 0
+    basic = res["basic"].link_bytes
+    assert basic.get("dpt-d0/snic/rx", 0) == 0 and basic["dpt-p0/snic/rx"] > 0  # basic reads on the PE side
+    assert res["dualpath"].link_bytes.get("dpt-d0/snic/rx", 0) > 0
+    assert not any(v for k, v in res["oracle"].link_bytes.items())  # oracle moves nothing
+
+
+def test_a_lone_request_decodes_at_the_cost_models_step_times():
+    topo, cfg, w, trajs = _setup(1)
+    trajs = [sim_cluster.TrajectorySpec(0, 512, [(24, 6)])]
+    r = simulate(cfg, trajs, ["oracle"])["oracle"].records[0]
+    ctx = r.n_prompt + 1
+    for i, (t0, t1) in enumerate(zip(r.token_times[1:], r.token_times[2:])):
+        assert t1 - t0 == pytest.approx(cfg.decode_cost.step_cost([ctx + i + 1]) * cfg.dilation, rel=1e-9)
+
+
+def test_online_arrivals_start_agents_later():
+    _, cfg, _, trajs = _setup(4, aps=2.0)
+    assert sorted(t.arrival_s for t in trajs)[-1] > 0
+    res = simulate(cfg, trajs, ["dualpath"])["dualpath"]
+    first = {}
+    for r in res.records:
+        first.setdefault(r.trajectory, r.t_arrive)
+    for t in trajs:
+        assert first[t.id] >= t.arrival_s
+
+
+def test_calibration_round_trips_and_rejects_bad_fields(tmp_path):
+    c = Calibration(rpc_s=1e-3, pass_cpu=(1.0, 2.0, 3.0), source={"run": "x"})
+    p = tmp_path / "cal.json"
+    c.save(p)
+    assert Calibration.load(p) == c
+    with pytest.raises(ValueError, match="rpc_s"):
+        Calibration(rpc_s=-1)
+    with pytest.raises(ValueError, match="unknown field"):
+        Calibration.from_dict({"rpc": 1})
+    with pytest.raises(ValueError, match="compute_efficiency"):
+        Calibration(compute_efficiency=0)
+
+
+def test_latencies_lengthen_the_run():
+    _, cfg0, _, trajs = _setup(2)
+    _, cfg1, _, _ = _setup(2, cal=Calibration(rpc_s=5e-3, step_gap_s=1e-3))
+    a = simulate(cfg0, trajs, ["dualpath"])["dualpath"].jct_s
+    b = simulate(cfg1, trajs, ["dualpath"])["dualpath"].jct_s
+    assert b > a
