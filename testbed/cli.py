@@ -321,6 +321,108 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1, table2, fi
     raise typer.Exit(0 if (result.faithful and not result.missing) else 1)
 
 
+SIM_CALIBRATION = Path("results/sim/calibration.json")
+
+
+@app.command("sim")
+def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML (testbed's, or topologies/sim/ "
+                                                      "with --units target)"),
+            modes: str = typer.Option(LADDER, help="comma-separated modes"),
+            trajectories: int = typer.Option(24, min=1, max=1_000_000, help="agentic trajectories"),
+            seed: int = typer.Option(0, help="workload seed"),
+            first_turn_tokens: int = typer.Option(0, min=0, max=1_000_000, help="each trajectory's first turn "
+                                                  "appends this many tokens (0: the workload's own)"),
+            aps: float = typer.Option(0.0, min=0.0, max=1e6, help="online: agents arrive as a Poisson process "
+                                      "at this many per emulated second (0: all at once)"),
+            quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass, emulated ms"),
+            units: str = typer.Option("testbed", help="testbed: the testbed's KV and scaled rates (what validation "
+                                      "compares); target: the target model's KV at the paper's rates, dilation 1"),
+            calibration: Optional[Path] = typer.Option(None, help=f"calibration file (default {SIM_CALIBRATION} "
+                                                       "when it exists; none with --units target)"),
+            calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="fit the calibration on this "
+                                                     "FAITHFUL testbed run folder and write it to --calibration"),
+            validate: bool = typer.Option(False, "--validate", help="compare the simulator with testbed runs "
+                                          "(--runs) per configuration and mode"),
+            runs: Optional[list[Path]] = typer.Option(None, "--runs", help="with --validate: testbed run folders; "
+                                                      "repeatable"),
+            quick: bool = typer.Option(False, "--quick", help="with --calibrate: fewer fit iterations"),
+            out: Path = typer.Option(Path("results/sim"), help="where the run's folder goes")) -> None:
+    """Simulate a cluster (emulators/sim): the testbed's scheduler and cost model at any scale."""
+    from emulators.sim.calibration import UNCALIBRATED, Calibration
+
+    command = " ".join(["dualpath", *sys.argv[1:]])
+    if sum(bool(x) for x in (calibrate, validate)) > 1:
+        _fail("sim: --calibrate and --validate are separate steps; fix: run one, then the other")
+    if calibrate:
+        from testbed.reproduce.runs import RunError, load_run
+        from testbed.sim_validate import calibrate as fit
+
+        try:
+            run = load_run(calibrate)
+        except RunError as e:
+            _fail(f"sim --calibrate: {e}")
+        dest = calibration or SIM_CALIBRATION
+        typer.echo(f"calibrating on {calibrate} ({run.topology}, modes {', '.join(run.modes)})")
+        cal = fit(run, typer.echo, iterations=3 if quick else 8)
+        cal = Calibration(**{**cal.to_dict(), "source": {**cal.source, "command": command,
+                                                           "run_command": cal.source.get("command")}})
+        cal.save(dest)
+        typer.echo(f"calibration: {dest} (rms relative error {cal.source['rms_relative_error']})")
+        return
+    if validate and not runs:
+        _fail("sim --validate: name the testbed runs to compare with (--runs FOLDER, repeatable)")
+    cal_path = calibration or (SIM_CALIBRATION if SIM_CALIBRATION.exists() and units == "testbed" else None)
+    try:
+        cal = Calibration.load(cal_path) if cal_path else UNCALIBRATED
+    except ValueError as e:
+        _fail(f"sim --calibration: {e}")
+    if validate:
+        from testbed.reproduce.runs import RunError, load_run
+        from testbed.sim_validate import validate_to_folder
+
+        if cal_path is None:
+            _fail(f"sim --validate: no calibration ({SIM_CALIBRATION} is missing); fix: dualpath sim --calibrate RUN")
+        try:
+            loaded = [load_run(r) for r in runs]
+        except RunError as e:
+            _fail(f"sim --validate: {e}")
+        folder, agg = validate_to_folder(loaded, cal, out / "validate" / time.strftime("%Y%m%d-%H%M%S"), command,
+                                         typer.echo)
+        typer.echo(f"mean |JCT error| {agg['mean_jct_err']}, max {agg['max_jct_err']}, held out mean "
+                   f"{agg['held_out_mean_jct_err']}; targets {'met' if agg['meets_targets'] else 'NOT met'}")
+        typer.echo(f"results: {folder}/summary.json, report.md, scatter.png")
+        raise typer.Exit(0 if agg["meets_targets"] else 1)
+    from testbed.sim import run_sim_to_folder
+
+    if topology is None:
+        _fail("sim: name a topology (e.g. topologies/1p1d-io.yaml, or topologies/sim/48p96d.yaml --units target)")
+    try:
+        t = load_topology(topology, carried=units == "testbed")
+    except TopologyError as e:
+        _fail(str(e))
+    from testbed.modes import MODES
+
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in mode_list if m not in MODES]
+    if bad or not mode_list:
+        _fail(f"--modes: unknown mode(s) {','.join(bad)[:80] or repr(modes[:80])}; fix: choose from {','.join(MODES)}")
+    if units not in ("testbed", "target"):
+        _fail(f"--units: {units[:40]!r} is not testbed or target")
+    from dualpath.workload import demo_workload
+
+    try:
+        wcfg = demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens)
+    except ValueError as e:
+        _fail(str(e))
+    run_dir = out / time.strftime("%Y%m%d-%H%M%S")
+    summary = run_sim_to_folder(t, wcfg, mode_list, run_dir, command, units=units, cal=cal, quota_s=quota_ms / 1000,
+                                aps=aps or None, seed=seed, progress=typer.echo)
+    for m, v in summary["modes"].items():
+        typer.echo(f"  {m}: JCT {v['jct_s']:.4g} s, TTFT p50 {v['ttft_s']['p50']}, TPOT p50 {v['tpot_s']['p50']}, "
+                   f"SNIC max/avg {v['snic_max_over_avg']}")
+    typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md")
+
+
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
                     model: Optional[str] = None, compute: Optional[str] = None):
     """Everything a run can check before it brings anything up; one line and exit 2 otherwise.

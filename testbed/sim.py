@@ -163,7 +163,8 @@ def summarize(results: dict[str, SimResult], cfg: SimConfig, topo: Topology, wcf
     s = topo.spec
     tgt = f"{s.target.model} on {s.target.gpu}"
     out: dict[str, Any] = {
-        "simulated": True, "target": tgt, "dilation": round(cfg.dilation, 6),
+        # a simulation has no emulation that could slip: its time is FAITHFUL to its own model
+        "faithful": True, "simulated": True, "target": tgt, "dilation": round(cfg.dilation, 6),
         "time": {"compute": "simulated", "units": units, "target": tgt, "dilation": round(cfg.dilation, 6),
                  "kv_bytes_per_token": {"simulated": cfg.kv_bytes_per_token}},
         "topology": topo.name, "trajectories": wcfg.n_trajectories, "seed": wcfg.seed,
@@ -204,6 +205,31 @@ def write_results(run_dir: Path, summary: dict[str, Any], results: dict[str, Sim
         lines.append(f"| {m} | {v['jct_s']:.4g} | {_f(v['ttft_s']['p50'])} | {_f(v['tpot_s']['p50'])} | "
                      f"{_f(v['snic_max_over_avg'])} | {v['simulation']['wall_s']} s |")
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+MAX_RECORDS = 50_000  # more requests than this: summary and passes only (records.jsonl would be GBs)
+
+
+def run_sim_to_folder(topo: Topology, wcfg: WorkloadConfig, modes: Sequence[str], run_dir: Path, command: str,
+                      units: str = "testbed", cal: Calibration = UNCALIBRATED, quota_s: float = DEFAULT_QUOTA_S,
+                      aps: float | None = None, seed: int = 0, pe_groups: str = "one",
+                      progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """`dualpath sim`: simulate the modes on the topology and write the run folder; the summary."""
+    if units == "target":
+        cal = cal.without_host()  # a projected cluster has no testbed host whose CPU fills
+    cfg = sim_config(topo, units=units, cal=cal, quota_s=quota_s, pe_groups=pe_groups)
+    trajs = trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=seed)
+    progress(f"simulating {topo.name} ({units} units, dilation {cfg.dilation:g}): {len(trajs)} agents, "
+             f"{sum(len(t.turns) for t in trajs)} requests" + (f", {aps:g} agents per second" if aps else ", offline"))
+    t = time.perf_counter()
+    results = simulate(cfg, trajs, modes, progress)
+    extra: dict[str, Any] = {"wall_s": round(time.perf_counter() - t, 2)}
+    if aps:
+        extra["arrivals"] = {"aps": aps, "seed": seed, "agents": len(trajs), "unit": "agents per emulated second"}
+    summary = summarize(results, cfg, topo, wcfg, units, extra)
+    n_req = sum(len(r.records) for r in results.values())
+    write_results(run_dir, summary, results, command, records=n_req <= MAX_RECORDS)
+    return {"command": command, **summary}
 
 
 def _f(v) -> str:

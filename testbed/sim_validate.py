@@ -1,0 +1,426 @@
+"""The simulator against the testbed: calibration on one run, validation on others.
+
+`calibrate(run)` fits every constant the simulator takes from testbed measurements
+(emulators/sim/calibration.py) on one FAITHFUL run folder of every mode, in three steps, each from
+that run alone:
+  1. the testbed model's compute per prefill pass and per decode step (passes.jsonl, steps.jsonl:
+     least squares of compute_wall_s on requests and predicted emulated seconds, coefficients
+     >= 0), and the host's CPU (the modes' cpu_busy against those engines' compute and the KV
+     bytes over every NIC: least squares over the modes);
+  2. whether the engines' transfers hide behind their layer windows: they do not when a
+     layerwise pass costs as much beyond its windows as a basic one (the testbed's NIXL over
+     UCX/TCP moves a transfer only while its engine waits on it);
+  3. the latencies, by Levenberg-Marquardt on the simulator itself: simulate the run's modes and
+     match, per mode, the mean time from arrival to the read (routing), of prefill (from the read's
+     end to the first token), from the first token to the second (the P->D hand-over), per token
+     after it, and from the last token to the request's end (write-back), plus the mode's JCT and
+     TTFT p50, all as relative errors.
+The result is written with the run it came from (path, command, topology, dilation, a digest of
+its summary.json), the residuals and the time the fit took.
+
+`validate(runs, cal)` simulates each run's configuration (its topology as the file is now, its
+workload, its modes) and compares per mode: JCT, TTFT p50/p99, TPOT p50 (relative errors) and
+SNIC max/avg (difference); a run on the calibration's own configuration is not held out.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from emulators.sim.calibration import Calibration
+from testbed.reproduce.runs import Run
+from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
+from testbed.topology import Topology, load_topology
+
+TOPOLOGIES = Path(__file__).resolve().parent.parent / "topologies"
+STAGES = ("route", "prefill", "handover", "tpot", "writeback")
+LATENCIES = ("rpc_s", "pass_fixed_s", "xfer_latency_s", "step_gap_s", "flush_fixed_s", "read_contention_s",
+             "load_fixed_s")
+INITIAL = {"rpc_s": 2e-3, "pass_fixed_s": 2e-3, "xfer_latency_s": 3e-4, "step_gap_s": 5e-4, "flush_fixed_s": 3e-3,
+           "read_contention_s": 1e-2, "load_fixed_s": 1e-3}
+# Acceptance (issue 15): mean JCT error <= 2 %, max <= 5 %, TTFT p50 <= 5 %, SNIC max/avg within 0.05
+TARGETS = {"mean_jct_err": 0.02, "max_jct_err": 0.05, "ttft_p50_err": 0.05, "snic_balance_diff": 0.05}
+# below this many KV bytes through the storage NICs (oracle: control frames only) a mode has no
+# SNIC balance to compare
+MIN_SNIC_BYTES = 1 << 20
+
+
+# --------------------------------------------------------------------------- per-request stages
+
+def _get(r, k):
+    return r[k] if isinstance(r, dict) else getattr(r, k)
+
+
+def stages(records: Sequence) -> dict[str, float | None]:
+    """Mean seconds per stage of a mode's requests (testbed records or simulated ones alike)."""
+    acc: dict[str, list[float]] = {k: [] for k in STAGES}
+    for r in records:
+        if _get(r, "error"):
+            continue
+        tt = _get(r, "token_times")
+        start = _get(r, "t_read_start") or _get(r, "t_prefill_start")
+        read_end = _get(r, "t_read_end") if _get(r, "t_read_start") else _get(r, "t_prefill_start")
+        acc["route"].append(start - _get(r, "t_arrive"))
+        acc["prefill"].append(_get(r, "t_first_token") - read_end)
+        if len(tt) > 1:
+            acc["handover"].append(tt[1] - tt[0])
+        if len(tt) > 2:
+            acc["tpot"].append((tt[-1] - tt[1]) / (len(tt) - 2))
+        if tt:
+            acc["writeback"].append(_get(r, "t_done") - tt[-1])
+    return {k: (statistics.fmean(v) if v else None) for k, v in acc.items()}
+
+
+# --------------------------------------------------------------------------- the run's configuration
+
+def run_topology(run: Run) -> Topology:
+    """The run's topology, read as the file is now (topologies/<name>.yaml)."""
+    path = TOPOLOGIES / f"{run.topology}.yaml"
+    if not path.exists():
+        raise ValueError(f"{run.path}: topology {run.topology!r} has no file {path}")
+    return load_topology(path)
+
+
+def run_geometry(run: Run) -> Geometry:
+    t = run.summary.get("time", {}).get("kv_bytes_per_token", {})
+    kvb = int(t.get("testbed") or Geometry().kv_bytes_per_token)
+    layers = Geometry().n_layer
+    for m in run.modes:
+        recs = run.records(m)
+        if recs and recs[0].get("pe_layer_hashes"):
+            layers = len(recs[0]["pe_layer_hashes"])
+            break
+    return Geometry(kvb, layers)
+
+
+def digest(run: Run) -> str:
+    return hashlib.sha256((run.path / "summary.json").read_bytes()).hexdigest()[:16]
+
+
+def config_name(run: Run) -> str:
+    return run.topology
+
+
+# --------------------------------------------------------------------------- 1. compute and host CPU
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0, by enumerating the active sets (few columns)."""
+    from itertools import combinations
+
+    n = X.shape[1]
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    Xs = X / scale
+    best, best_sse = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in combinations(range(n), k):
+            c, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
+            if np.any(c < 0):
+                continue
+            r = y - Xs[:, cols] @ c
+            if float(r @ r) < best_sse:
+                best_sse, best = float(r @ r), np.zeros(n)
+                best[list(cols)] = c
+    return best / scale
+
+
+def fit_host(run: Run, cores: float) -> dict[str, Any]:
+    """The engines' compute models and the host CPU's coefficients (step 1)."""
+    P = [p for m in run.modes for p in run.passes(m)]
+    S = [s for m in run.modes for s in run.steps(m)]
+    if not P or not S:
+        raise ValueError(f"{run.path}: needs passes.jsonl and steps.jsonl to fit the host's CPU")
+    pc = _nnls(np.array([[1.0, p["n"], p["predicted_s"]] for p in P]), np.array([p["timing"]["compute_wall_s"] for p in P]))
+    sc = _nnls(np.array([[1.0, s["n"], s["emulated_s"]] for s in S]), np.array([s["compute_wall_s"] for s in S]))
+    rows, y = [], []
+    for m in run.modes:
+        v = run.mode(m)
+        T = v["jct_testbed_s"]
+        eng = (sum(p["timing"]["compute_wall_s"] for p in run.passes(m)) + sum(s["compute_wall_s"] for s in run.steps(m))) / T
+        mb = sum(r["measured"] for r in v["kv_bytes_vs_expected"]["per_direction"]) / T / 1e6
+        rows.append([1.0, eng, mb])
+        y.append(v["cpu_busy"] * cores)
+    hc = _nnls(np.array(rows), np.array(y))
+    pred = np.array(rows) @ hc
+    return {"cpu_cores": float(cores), "cpu_base": float(hc[0]), "cpu_per_compute": float(hc[1]),
+            "cpu_per_mbps": float(hc[2]), "pass_cpu": tuple(float(x) for x in pc),
+            "step_cpu": tuple(float(x) for x in sc),
+            "_fit": {"cpu_busy_residual_cores": [round(float(a - b), 4) for a, b in zip(pred, y)]}}
+
+
+def exposed_io(run: Run) -> tuple[bool, dict[str, float]]:
+    """Step 2: do the engines' transfers add to the windows? Compare the mean time a pass takes
+    beyond its windows in basic (reads before the first layer) and layerwise (overlapped, if the
+    transport moves bytes while the engine computes)."""
+    def over(m):
+        ps = run.passes(m)
+        return statistics.fmean(p["t_end"] - p["t_start"] - p["timing"]["held_s"] for p in ps) if ps else None
+    b, lw = over("basic"), over("layerwise")
+    if b is None or lw is None or b <= 0:
+        return False, {}
+    return lw >= 0.8 * b, {"basic_pass_beyond_windows_s": round(b, 5), "layerwise_pass_beyond_windows_s": round(lw, 5)}
+
+
+# --------------------------------------------------------------------------- 3. latencies
+
+def _targets(run: Run, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    out = {}
+    for m in modes:
+        st = stages(run.records(m))
+        v = run.mode(m)
+        st["jct"] = v["jct_testbed_s"]
+        st["ttft_p50"] = v["ttft_s"]["p50"] * run.dilation
+        out[m] = st
+    return out
+
+
+WEIGHTS = {"route": 1.0, "prefill": 1.0, "handover": 1.0, "tpot": 1.0, "writeback": 0.5, "jct": 3.0, "ttft_p50": 2.0}
+
+
+def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    cfg = sim_config(topo, run_geometry(run), cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
+    wcfg = workload_of_run(run.summary)
+    res = simulate(cfg, trajectories(wcfg, cfg.dilation), modes)
+    summ = summarize(res, cfg, topo, wcfg, "testbed")
+    out = {}
+    for m, r in res.items():
+        st = stages(r.records)
+        st["jct"] = r.jct_s
+        st["ttft_p50"] = summ["modes"][m]["ttft_s"]["p50"] * cfg.dilation
+        out[m] = st
+    return out
+
+
+def _residuals(sim: dict, tgt: dict) -> np.ndarray:
+    out = []
+    for m, t in tgt.items():
+        for k, w in WEIGHTS.items():
+            a, b = sim[m].get(k), t.get(k)
+            if a is None or b is None or b <= 0:
+                continue
+            out.append(w * (a - b) / b)
+    return np.array(out)
+
+
+def calibrate(run: Run, progress: Callable[[str], None] = print, iterations: int = 8,
+              cores: float | None = None) -> Calibration:
+    """Fit a Calibration on one run folder (see the module docstring)."""
+    t_start = time.monotonic()
+    if not run.faithful():
+        raise ValueError(f"{run.path}: not FAITHFUL in every mode ({run.unfaithful()}); no calibration from it")
+    modes = [m for m in run.modes]
+    topo = run_topology(run)
+    cores = float(cores or os.cpu_count() or 2)
+    host = fit_host(run, cores)
+    host_fit = host.pop("_fit")
+    exposed, io_evidence = exposed_io(run)
+    progress(f"  host: {cores:g} cores, busy {host['cpu_base']:.3f} + {host['cpu_per_compute']:.3f} x engine compute "
+             f"+ {host['cpu_per_mbps']:.4f} x KV MB/s; engines' transfers {'exposed' if exposed else 'overlapped'}")
+    tgt = _targets(run, modes)
+    x = np.array([INITIAL[k] for k in LATENCIES])
+
+    def cal_of(v: np.ndarray) -> Calibration:
+        return Calibration(**{k: float(max(0.0, a)) for k, a in zip(LATENCIES, v)}, exposed_io=exposed,
+                           dilation=run.dilation, **host)
+
+    def res_of(v: np.ndarray) -> np.ndarray:
+        return _residuals(_sim_stages(topo, run, cal_of(v), modes), tgt)
+
+    r = res_of(x)
+    lam = 1e-2
+    evals = 1
+    for it in range(iterations):
+        J = np.zeros((len(r), len(x)))
+        for i in range(len(x)):
+            h = max(2e-5, 0.05 * abs(x[i]))
+            xp = x.copy()
+            xp[i] += h
+            J[:, i] = (res_of(xp) - r) / h
+            evals += 1
+        g = J.T @ r
+        A = J.T @ J
+        improved = False
+        for _ in range(6):
+            step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
+            xn = np.maximum(x + step, 0.0)
+            rn = res_of(xn)
+            evals += 1
+            if rn @ rn < r @ r:
+                x, r, lam, improved = xn, rn, lam / 3, True
+                break
+            lam *= 4
+        progress(f"  fit iteration {it + 1}: rms relative error {math.sqrt(r @ r / len(r)):.4f}")
+        if not improved:
+            break
+    cal = cal_of(x)
+    final = _sim_stages(topo, run, cal, modes)
+    residual_table = {m: {k: (None if final[m].get(k) is None or tgt[m].get(k) in (None, 0)
+                              else round(final[m][k] / tgt[m][k] - 1, 4)) for k in WEIGHTS} for m in modes}
+    source = {"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology,
+              "dilation": run.dilation, "summary_sha256": digest(run), "modes": modes,
+              "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
+              "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
+              "relative_error_per_mode": residual_table, "host_fit": host_fit, "io_evidence": io_evidence,
+              "weights": WEIGHTS}
+    return Calibration(**{**cal.to_dict(), "source": source})
+
+
+# --------------------------------------------------------------------------- validation
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b - 1, 5)
+
+
+def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Per mode of one testbed run, the simulator's errors against it."""
+    topo = run_topology(run)
+    geom = run_geometry(run)
+    cfg = sim_config(topo, geom, cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
+    wcfg = workload_of_run(run.summary)
+    aps = run.aps
+    arr_seed = int((run.summary.get("arrivals") or {}).get("seed", run.summary.get("seed", 0)))
+    modes = run.modes
+    res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=arr_seed), modes)
+    summ = summarize(res, cfg, topo, wcfg, "testbed")
+    held_out = cal.source.get("topology") != run.topology or bool(aps) != bool(cal.source.get("aps"))
+    rows = []
+    for m in modes:
+        t, s = run.mode(m), summ["modes"][m]
+        snic_bytes = sum(r["measured"] for r in t.get("kv_bytes_vs_expected", {}).get("per_direction", [])
+                         if r["nic"].endswith("/snic") and r["dir"] == "rx")
+        t_bal, s_bal = t.get("snic_max_over_avg"), s.get("snic_max_over_avg")
+        bal = None if snic_bytes < MIN_SNIC_BYTES or t_bal is None or s_bal is None else round(s_bal - t_bal, 4)
+        rows.append({
+            "config": config_name(run) + (f"@{aps:g}aps" if aps else ""), "mode": m, "held_out": held_out,
+            "faithful": bool(t.get("faithful")), "run": str(run.path),
+            "jct_s": {"testbed": t["jct_s"], "sim": s["jct_s"]}, "jct_err": _rel(s["jct_s"], t["jct_s"]),
+            "ttft_p50_s": {"testbed": t["ttft_s"]["p50"], "sim": s["ttft_s"]["p50"]},
+            "ttft_p50_err": _rel(s["ttft_s"]["p50"], t["ttft_s"]["p50"]),
+            "ttft_p99_err": _rel(s["ttft_s"]["p99"], t["ttft_s"]["p99"]),
+            "tpot_p50_err": _rel(s["tpot_s"]["p50"], t["tpot_s"]["p50"]),
+            "snic_max_over_avg": {"testbed": t_bal, "sim": s_bal}, "snic_balance_diff": bal,
+            "agent_jct_mean_err": _rel((s.get("agent_jct_s") or {}).get("mean"), (t.get("agent_jct_s") or {}).get("mean")),
+            "sim_wall_s": s["simulation"]["wall_s"]})
+        progress(f"  {rows[-1]['config']:>10} {m:<12} JCT {_pct(rows[-1]['jct_err'])}  TTFT p50 {_pct(rows[-1]['ttft_p50_err'])}"
+                 f"  p99 {_pct(rows[-1]['ttft_p99_err'])}  TPOT {_pct(rows[-1]['tpot_p50_err'])}  SNIC {_diff(bal)}"
+                 f"{'' if held_out else '  (calibration)'}")
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "   n/a" if x is None else f"{x * 100:+5.1f}%"
+
+
+def _diff(x: float | None) -> str:
+    return "  n/a" if x is None else f"{x:+.3f}"
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def stat(key, sel=lambda r: True, f=max):
+        xs = [abs(r[key]) for r in rows if sel(r) and r[key] is not None]
+        return round(f(xs), 5) if xs else None
+
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    out = {
+        "mean_jct_err": stat("jct_err", f=mean), "max_jct_err": stat("jct_err"),
+        "held_out_mean_jct_err": stat("jct_err", lambda r: r["held_out"], mean),
+        "held_out_max_jct_err": stat("jct_err", lambda r: r["held_out"]),
+        "max_ttft_p50_err": stat("ttft_p50_err"), "mean_ttft_p50_err": stat("ttft_p50_err", f=mean),
+        "held_out_max_ttft_p50_err": stat("ttft_p50_err", lambda r: r["held_out"]),
+        "max_ttft_p99_err": stat("ttft_p99_err"), "max_tpot_p50_err": stat("tpot_p50_err"),
+        "max_snic_balance_diff": stat("snic_balance_diff"),
+        "all_faithful": all(r["faithful"] for r in rows),
+    }
+    out["targets"] = TARGETS
+    out["meets_targets"] = bool(rows) and all(v is not None for v in (out["mean_jct_err"], out["max_jct_err"])) and \
+        out["mean_jct_err"] <= TARGETS["mean_jct_err"] and out["max_jct_err"] <= TARGETS["max_jct_err"] and \
+        (out["max_ttft_p50_err"] or 0) <= TARGETS["ttft_p50_err"] and \
+        (out["max_snic_balance_diff"] or 0) <= TARGETS["snic_balance_diff"] and out["all_faithful"]
+    return out
+
+
+def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Simulated against measured: JCT and TTFT p50 per configuration and mode."""
+    from testbed import plots
+
+    fig, axes = plots.plt.subplots(1, 2, figsize=(10.5, 4.6), dpi=plots.DPI)
+    for ax, key, what in ((axes[0], "jct_s", "JCT"), (axes[1], "ttft_p50_s", "TTFT p50")):
+        xs, ys = [], []
+        for r in rows:
+            a, b = r[key]["testbed"], r[key]["sim"]
+            if a is None or b is None:
+                continue
+            xs.append(a)
+            ys.append(b)
+            ax.scatter([a], [b], color=plots.color(r["mode"]), marker="o" if r["held_out"] else "s",
+                       s=34, edgecolors="black" if not r["held_out"] else "none", linewidths=0.6)
+        lo, hi = min(xs + ys) * 0.9, max(xs + ys) * 1.1
+        ax.plot([lo, hi], [lo, hi], color="#444444", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="#bbbbbb", alpha=0.3, lw=0,
+                        label="within 5 %")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"testbed {what} (emulated s)")
+        ax.set_ylabel(f"simulated {what} (emulated s)")
+        ax.set_title(f"{what}: simulated against measured")
+        ax.grid(True, alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], marker="o", ls="", color=plots.color(m), label=plots.label(m))
+               for m in dict.fromkeys(r["mode"] for r in rows)]
+    handles.append(Line2D([], [], marker="s", ls="", color="white", markeredgecolor="black", label="calibration config"))
+    axes[1].legend(handles=handles, loc="upper left", fontsize=7)
+    plots.caption(fig, "Each point is one mode of one testbed configuration; squares are the configuration the "
+                       "simulator was calibrated on, circles are held out. The band is +-5 %.")
+    return plots.save(fig, path)
+
+
+def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any]) -> list[str]:
+    src = cal.source
+    lines = [f"# dualpath sim --validate", "", f"Produced by `{command}`.", "",
+             f"Calibration: fitted on `{src.get('run')}` ({src.get('topology')}, dilation {src.get('dilation')}, "
+             f"summary sha256 {src.get('summary_sha256')}) by `{src.get('fitted_by')}`; "
+             f"{src.get('simulations')} simulations, rms relative error {src.get('rms_relative_error')}.", "",
+             "| config | mode | held out | JCT testbed | JCT sim | JCT err | TTFT p50 err | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        sb = r["snic_max_over_avg"]
+        lines.append(f"| {r['config']} | {r['mode']} | {'yes' if r['held_out'] else 'no'} | {r['jct_s']['testbed']:.4g} | "
+                     f"{r['jct_s']['sim']:.4g} | {_pct(r['jct_err'])} | {_pct(r['ttft_p50_err'])} | {_pct(r['ttft_p99_err'])} | "
+                     f"{_pct(r['tpot_p50_err'])} | {sb['testbed']} / {sb['sim']}{'' if r['snic_balance_diff'] is not None else ' (n/a: no KV on SNICs)'} |")
+    lines += ["", f"Mean |JCT error| {_pct(agg['mean_jct_err'])}, max {_pct(agg['max_jct_err'])}; held out: mean "
+                  f"{_pct(agg['held_out_mean_jct_err'])}, max {_pct(agg['held_out_max_jct_err'])}. TTFT p50 max "
+                  f"{_pct(agg['max_ttft_p50_err'])} (held out {_pct(agg['held_out_max_ttft_p50_err'])}); SNIC max/avg "
+                  f"max difference {agg['max_snic_balance_diff']}. Every testbed run FAITHFUL: {agg['all_faithful']}.",
+              f"Targets (issue 15): mean JCT <= 2 %, max <= 5 %, TTFT p50 <= 5 %, SNIC max/avg within 0.05: "
+              f"{'met' if agg['meets_targets'] else 'NOT met'}.", "",
+              "Calibration constants (real seconds of the testbed's software):", "", "```",
+              json.dumps(cal.constants(), indent=1), "```"]
+    return lines
+
+
+def validate_to_folder(runs: Sequence[Run], cal: Calibration, folder: Path, command: str,
+                       progress: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """`dualpath sim --validate`: every run's rows, the aggregate, summary.json, report.md and the
+    scatter plot in `folder`."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        rows += validate_run(run, cal, progress)
+    agg = aggregate(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {"command": command, "faithful": agg["all_faithful"], "validation": rows, **agg,
+               "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs]}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    scatter(rows, folder / "scatter.png")
+    (folder / "report.md").write_text("\n".join(report_lines(command, cal, rows, agg)) + "\n")
+    return folder, agg

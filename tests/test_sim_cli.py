@@ -1,0 +1,79 @@
+"""`dualpath sim`: a run folder with the summary keys of `dualpath run`, one-line refusals of bad
+input, and the validation arithmetic (fits, stages, aggregate) on hand-made inputs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from testbed import sim_validate as sv
+from tests.conftest import REPO
+
+
+def dualpath(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "testbed.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_sim_writes_a_summary_with_the_run_keys(tmp_path):
+    p = dualpath("sim", str(REPO / "topologies" / "1p1d-io.yaml"), "--modes", "basic,dualpath",
+                 "--trajectories", "3", "--calibration", str(tmp_path / "none.json"), "--out", str(tmp_path),
+                 cwd=tmp_path)
+    assert p.returncode == 2 and "not a calibration file" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = dualpath("sim", str(REPO / "topologies" / "1p1d-io.yaml"), "--modes", "basic,dualpath",
+                 "--trajectories", "3", "--out", str(tmp_path), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    (folder,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["command"].startswith("dualpath sim") and s["faithful"] is True
+    for m in ("basic", "dualpath"):
+        assert {"jct_s", "ttft_s", "tpot_s", "snic_max_over_avg"} <= s["modes"][m].keys()
+    assert s["modes"]["dualpath"]["speedup_over_basic"] > 1
+    assert (folder / "records.jsonl").exists() and (folder / "report.md").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (("sim", "topologies/1p1d-io.yaml", "--modes", "basic,fast"), ("unknown mode", "fast")),
+    (("sim",), ("name a topology",)),
+    (("sim", "--validate", "--calibration", "x.json"), ("--runs",)),
+    (("sim", "--calibrate", "/nonexistent-run"), ("not a run folder",)),
+    (("sim", "topologies/1p1d-io.yaml", "--units", "gpu"), ("--units",)),
+])
+def test_bad_input_is_one_line(args, words, tmp_path):
+    p = dualpath(*args, "--out", str(tmp_path))
+    assert p.returncode == 2, p.stderr
+    line = p.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line
+    for w in words:
+        assert w in line
+
+
+def test_nnls_recovers_nonnegative_coefficients():
+    rng = np.random.default_rng(0)
+    X = np.column_stack([np.ones(50), rng.uniform(1, 5, 50), rng.uniform(0, 1, 50)])
+    y = X @ np.array([0.5, 0.0, 2.0])
+    assert sv._nnls(X, y) == pytest.approx([0.5, 0.0, 2.0], abs=1e-9)
+    # the unconstrained fit would go negative on the middle column: held at 0
+    assert sv._nnls(X, y - 0.1 * X[:, 1])[1] == 0.0
+
+
+def test_stages_split_a_request_into_its_phases():
+    r = {"error": "", "t_arrive": 0.0, "t_read_start": 1.0, "t_read_end": 2.0, "t_prefill_start": 2.0,
+         "t_first_token": 3.5, "token_times": [3.5, 4.0, 4.2, 4.4], "t_done": 5.0}
+    st = sv.stages([r])
+    assert st == pytest.approx({"route": 1.0, "prefill": 1.5, "handover": 0.5, "tpot": 0.2, "writeback": 0.6})
+
+
+def test_aggregate_judges_the_targets_and_the_held_out_rows_apart():
+    def row(err, held, ttft=0.01, snic=0.0):
+        return {"jct_err": err, "held_out": held, "ttft_p50_err": ttft, "ttft_p99_err": None, "tpot_p50_err": 0.0,
+                "snic_balance_diff": snic, "faithful": True}
+    a = sv.aggregate([row(0.01, False), row(-0.03, True)])
+    assert a["mean_jct_err"] == 0.02 and a["max_jct_err"] == 0.03 and a["held_out_mean_jct_err"] == 0.03
+    assert a["meets_targets"]
+    assert not sv.aggregate([row(0.01, False), row(0.06, True)])["meets_targets"]  # max > 5 %
+    assert not sv.aggregate([row(0.01, False, ttft=0.08)])["meets_targets"]
+    assert not sv.aggregate([row(0.01, False, snic=-0.06)])["meets_targets"]
