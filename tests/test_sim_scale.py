@@ -1,0 +1,43 @@
+"""table3 and fig15: the simulated scale runs (testbed.reproduce.scale) on the paper's clusters,
+at one agent per prefill node so that the test runs in seconds."""
+from __future__ import annotations
+
+import pytest
+
+from testbed.reproduce import fig15, scale, table3
+from testbed.sim import trajectories
+from dualpath.workload import demo_workload
+
+
+def test_replicas_keep_the_lengths_under_new_ids():
+    base = trajectories(demo_workload(n_trajectories=3), 1.0)
+    rep = scale.replicate(base, 4)
+    assert len(rep) == 12 and len({t.id for t in rep}) == 12
+    assert [t.turns for t in rep[6:9]] == [t.turns for t in base]
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(scale, "AGENTS_PER_PE_NODE", {True: 1, False: 1})
+
+
+def test_table3_projects_near_linear_scaling_and_the_scheduler_cost(tiny, tmp_path):
+    r = table3.reproduce({}, tmp_path, quick=True)
+    d = r.data
+    assert d["offline"]["48p96d"]["agents"] == 24 * d["offline"]["2p4d-paper"]["agents"] == 48
+    assert d["offline"]["48p96d"]["requests"] == 24 * d["offline"]["2p4d-paper"]["requests"]
+    assert d["scaling_within_tolerance"], d["jct_ratio"]
+    assert d["online"]["44p88d"]["aps"] == pytest.approx(22 * d["online"]["2p4d-paper"]["aps"])
+    assert 0 < d["scheduler_cores_max"]
+    assert r.no_runs_needed and r.faithful
+
+
+def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
+    res, _ = scale.run_one("2p4d-paper", True, progress=lambda s: None)
+    s = fig15.series(res)
+    w = s["t_s"][1] - s["t_s"][0]
+    assert len(s["t_s"]) == fig15.BINS
+    assert sum(s["prompt_tps"]) * w == pytest.approx(sum(r.n_prompt for r in res.records), rel=1e-9)
+    assert all(v is None or v > 0 for v in s["ttft_mean_s"])
+    r = fig15.reproduce({}, tmp_path, quick=True)
+    assert (tmp_path / "fig15.png").exists() and r.headline[0].testbed > 0
