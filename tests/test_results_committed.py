@@ -27,4 +27,18 @@ def test_committed_result_names_its_command_and_is_faithful(path: Path):
     assert s.get("command"), f"{path} does not name the command that produced it"
     kind = path.relative_to(ROOT / "results").parts[0]
     if kind in TIMED:
-        assert s.get("faithful") is True, f"{path}: a committed run in emulated time must be FAITHFUL"
+        assert is_faithful(s), f"{path}: a committed run in emulated time must be FAITHFUL"
+
+
+def is_faithful(summary: dict) -> bool:
+    """A reproduce or sim summary carries one verdict; a `dualpath run` carries one per mode."""
+    if "faithful" in summary:
+        return summary["faithful"] is True
+    modes = summary.get("modes")
+    return bool(modes) and all(m.get("faithful") is True for m in modes.values())
+
+
+def test_a_run_with_one_unfaithful_mode_is_not_faithful():
+    assert is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": True}}})
+    assert not is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": False}}})
+    assert not is_faithful({"modes": {}}) and not is_faithful({"faithful": False})
