@@ -8,10 +8,27 @@ CNIC or DRAM bottleneck when
 
 The Chinese article's erratum: the PE CNIC read-direction condition that the
 paper states as s <= g is really s <= g/2; `pe_read_condition_holds` checks it.
+
+`paper_model` writes the same derivation as resources for the generic method
+(dualpath/analysis/method.py): a CNIC's PCIe reads and writes are separate
+resources (the loopback H2D takes both), DRAM is one per node shared by reads
+and writes. Counted per hit byte, from the article's section 3.2 (the numbers
+are the steps of the paper's figure 4):
+    PE CNIC read:  PE path 2 ((3) DRAM -> CNIC, (5) HBM -> CNIC), DE path 0
+    PE CNIC write: PE path 1 ((4) into HBM),  DE path 1 ((5) into HBM)
+    DE CNIC read:  PE path 1 ((8) H2D),       DE path 2 ((3) to the PE, (6) H2D)
+    DE CNIC write: PE path 2 ((7) into DRAM, (9) into HBM), DE path 1 ((7) into HBM)
+    PE DRAM:       PE path 2 (SNIC write, CNIC read)
+    DE DRAM:       PE path 2 (write, read), DE path 3 (SNIC write, two CNIC reads)
+`pd_bounds` (the closed form) and `pd_range(paper_model(...))` agree.
 """
 from __future__ import annotations
 
 import math
+
+from dualpath.analysis.method import Model, Resource
+
+PAPER_G, PAPER_S, PAPER_M_OVER_B = 8, 1.0, 10.0  # 8 GPUs, one 400G SNIC, 8 x 400G CNICs, 500 GB/s DRAM
 
 
 def pd_bounds(g: float, s: float, m_over_b: float) -> tuple[float, float]:
@@ -26,3 +43,16 @@ def pd_bounds(g: float, s: float, m_over_b: float) -> tuple[float, float]:
 def pe_read_condition_holds(g: float, s: float) -> bool:
     """PE CNIC read direction stays bottleneck-free (erratum: s <= g/2)."""
     return s <= g / 2
+
+
+def paper_model(g: float, s: float, m_over_b: float) -> Model:
+    """The paper's resources, rates in units of B (see the module docstring)."""
+    return Model("paper", snic_rate=s, snic="SNIC", resources=(
+        Resource("SNIC", "all", 1, s, 1, 1),
+        Resource("PE CNIC read", "pe", g, 1, 2, 0),
+        Resource("PE CNIC write", "pe", g, 1, 1, 1),
+        Resource("DE CNIC read", "de", g, 1, 1, 2),
+        Resource("DE CNIC write", "de", g, 1, 2, 1),
+        Resource("PE DRAM", "pe", 1, m_over_b, 2, 0),
+        Resource("DE DRAM", "de", 1, m_over_b, 2, 3),
+    ))
