@@ -52,7 +52,9 @@ MAX_GBPS = 1e6  # paper units
 MIN_GIB, MAX_GIB = 2.0**-10, 1024.0
 MAX_ENGINES = 256
 
+from dualpath.analysis import method
 from dualpath.analysis.bounds import pd_bounds
+from dualpath.analysis.testbed_bounds import testbed_model
 
 
 class TopologyError(ValueError):
@@ -198,6 +200,20 @@ class Topology:
         lo, hi = self.pd_range()
         return lo <= self.pd_ratio <= hi
 
+    def testbed_model(self) -> method.Model:
+        """The testbed's own resources at this topology's emulated rates (its veths, each
+        direction apart; dualpath/analysis/testbed_bounds.py)."""
+        return testbed_model(self.g, self.cnic_bps, self.snic_bps, self.host_port_bps,
+                             self.spec.storage.servers * self.storage_nic_bps)
+
+    def testbed_range(self) -> method.PDRange:
+        """The testbed's own bottleneck-free P/D range, by the paper's method over its links."""
+        return method.pd_range(self.testbed_model())
+
+    def predicted_bottleneck(self) -> str:
+        """The resource the testbed's analysis predicts saturates first at this P and D."""
+        return method.first_saturating(self.testbed_model(), self.spec.prefill_nodes, self.spec.decode_nodes)
+
     @property
     def emulated(self) -> bool:
         return self.spec.compute == "emulated"
@@ -239,10 +255,28 @@ class Topology:
             f"CNIC {_fmt(self.cnic_bps)} per engine, SNIC {_fmt(self.snic_bps)} per node, "
             f"host port {_fmt(self.host_port_bps)} ({self.host_port_basis}), "
             f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}",
-            f"P/D={self.pd_ratio:.3g} is {verdict} the bottleneck-free range "
+            f"P/D={self.pd_ratio:.3g} is {verdict} the paper's bottleneck-free range "
             f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}",
+            *self._testbed_bound_lines(),
             time_line,
         ]
+
+    def _testbed_bound_lines(self) -> list[str]:
+        """The testbed's own range (its veths' rx and tx, not PCIe and DRAM), the storage NICs'
+        limit on the cluster's size, and the resource predicted to saturate first here."""
+        rng = self.testbed_range()
+        p, d = self.spec.prefill_nodes, self.spec.decode_nodes
+        inside = "inside" if rng.contains(self.pd_ratio) else "OUTSIDE"
+        lines = [f"testbed's own range (its links, each direction): {method.format_range(rng)}; "
+                 f"P/D={self.pd_ratio:.3g} is {inside} it"]
+        for c in rng.cluster_limits:
+            lines.append(f"  cluster size: {c.describe()} ({p + d} nodes: "
+                         f"{'holds' if c.holds(p, d) else 'EXCEEDED'})")
+        u = method.utilizations(self.testbed_model(), p, d)
+        first = method.first_saturating(self.testbed_model(), p, d)
+        lines.append(f"  predicted to saturate first here: {first} (at {u[first]:.2f} of its rate with "
+                     f"every SNIC at full rate)")
+        return lines
 
 
 def _bps(gbps: float) -> int:

@@ -1,5 +1,5 @@
 """The bottleneck-free P/D bounds: the paper's (with the article's erratum) and the testbed's own,
-by one method over two sets of resources."""
+by one method over two sets of resources; the ranges of the shipped topologies; `dualpath topo`."""
 from __future__ import annotations
 
 import itertools
@@ -12,6 +12,8 @@ from dualpath.analysis import method
 from dualpath.analysis.bounds import paper_model, pd_bounds, pe_read_condition_holds
 from dualpath.analysis.testbed_bounds import SNIC_RX, hit_counts
 from dualpath.analysis.testbed_bounds import testbed_model as build_model  # not test_*: pytest would collect it
+from testbed.topology import load_topology
+from tests.conftest import REPO, dualpath
 
 
 # ---------------------------------------------------------------------------------- the paper's
@@ -108,6 +110,37 @@ def test_testbed_range_differs_from_the_papers_for_the_same_numbers():
     assert method.pd_range(paper_model(2, 0.25, 2.5)).upper == pytest.approx(7 / 2)  # the same numbers, the paper's
 
 
+# Per shipped topology: the testbed's own (lower, upper), its storage-NIC limit on P+D, and the
+# resource predicted to saturate first at its own P and D. Hand-computed from closed_form.
+SHIPPED = {
+    "1p1d": ((1 / 7, 6), 4, SNIC_RX),
+    "1p2d": ((1 / 7, 6), 4, SNIC_RX),
+    "2p1d": ((1 / 7, 6), 4, SNIC_RX),
+    "2p4d": ((1 / 7, 6), 8, SNIC_RX),  # two storage servers
+    "4p1d-out-of-range": ((1 / 7, 6), 4, "storage NIC tx"),  # inside the testbed's P/D range, but 5 SNICs > 1 storage NIC
+    "1p1d-io": ((0.075 / 1.925, 2 / 0.075 - 2), 1 / 0.075, SNIC_RX),
+    "1p2d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
+    "2p1d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
+}
+
+
+def test_every_shipped_topology_has_an_expected_range():
+    assert {p.stem for p in (REPO / "topologies").glob("*.yaml")} == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_topology_testbed_range(name):
+    (lo, hi), max_nodes, first = SHIPPED[name]
+    t = load_topology(REPO / "topologies" / f"{name}.yaml")
+    rng = t.testbed_range()
+    assert (rng.lower, rng.upper) == pytest.approx((lo, hi))
+    (limit,) = rng.cluster_limits
+    assert limit.cap / limit.pe_weight == pytest.approx(max_nodes)
+    assert t.predicted_bottleneck() == first
+    assert rng.contains(t.pd_ratio)  # every shipped P/D is inside the testbed's own range ...
+    assert t.in_bottleneck_free_range() == (name != "4p1d-out-of-range")  # ... the paper's is stricter
+
+
 def sweep_model() -> method.Model:
     """g = 1, s = 0.25, host port g*B, storage NICs 4B: the P/D sweep's numbers, range 1/3..2."""
     B = 1e9
@@ -164,3 +197,16 @@ def test_bad_resources_and_models_are_refused():
 def test_ratio_strings():
     assert [method.ratio_str(x) for x in (1 / 7, 7 / 2, 6.0, 1 / 3, 24.6667, math.inf)] == \
         ["1/7", "7/2", "6", "1/3", "24.7", "inf"]
+
+
+# ---------------------------------------------------------------------------------- dualpath topo
+
+
+def test_cli_topo_prints_both_ranges_and_the_predicted_bottleneck():
+    r = dualpath("topo", str(REPO / "topologies" / "4p1d-out-of-range.yaml"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "P/D=4 is OUTSIDE the paper's bottleneck-free range [0.143, 3.5]" in out
+    assert "testbed's own range (its links, each direction): 1/7 <= P/D <= 6 (lower: PE CNIC rx; upper: DE host port tx)" in out
+    assert "storage NIC tx: P+D <= 4 (5 nodes: EXCEEDED)" in out
+    assert "predicted to saturate first here: storage NIC tx (at 1.25 of its rate" in out
