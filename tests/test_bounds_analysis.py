@@ -121,6 +121,7 @@ SHIPPED = {
     "1p1d-io": ((0.075 / 1.925, 2 / 0.075 - 2), 1 / 0.075, SNIC_RX),
     "1p2d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
     "2p1d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
+    "1p1d-bounds": ((1 / 3, 2), 16, SNIC_RX),  # the P/D sweep's base: g = 1
 }
 
 
@@ -210,3 +211,9 @@ def test_cli_topo_prints_both_ranges_and_the_predicted_bottleneck():
     assert "testbed's own range (its links, each direction): 1/7 <= P/D <= 6 (lower: PE CNIC rx; upper: DE host port tx)" in out
     assert "storage NIC tx: P+D <= 4 (5 nodes: EXCEEDED)" in out
     assert "predicted to saturate first here: storage NIC tx (at 1.25 of its rate" in out
+
+
+def test_cli_topo_on_the_sweep_base():
+    r = dualpath("topo", str(REPO / "topologies" / "1p1d-bounds.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "1/3 <= P/D <= 2" in r.stdout and "predicted to saturate first here: SNIC rx" in r.stdout

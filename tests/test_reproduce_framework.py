@@ -68,7 +68,8 @@ def test_every_plan_is_runnable_as_written(fig_id, quick):
     for cfg in plan.configs:
         assert set(cfg.modes) <= set(MODES), cfg.key
         topo = cfg.topology_obj()  # validates, overrides included
-        assert topo.emulated and topo.in_bottleneck_free_range(), cfg.key
+        # the bounds sweep leaves the range on purpose (and the paper's range is not the testbed's)
+        assert topo.emulated and (fig_id == "bounds" or topo.in_bottleneck_free_range()), cfg.key
         cfg.workload.config()  # a valid generator config
         assert cfg.folder().endswith(cfg.digest())
     assert len({c.key for c in plan.configs}) == len(plan.configs)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-IDS = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14", "fig15")
+IDS = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14", "fig15", "bounds")
 DEFAULT_OUT = Path("results/reproduce")
 
 
