@@ -110,6 +110,9 @@ def test_points_match_when_the_measured_bottleneck_is_the_predicted_one(tmp_path
     cfg = bounds.config(3, 1, True)
     row = bounds.point(cfg, load_run(write_point(tmp_path / "x", 3, 1, {**ABOVE, ("d", "host_port", 1): 0.85})))
     assert row["measured"] is None and not row["match"]
+    assert row["most_utilized"] == "DE host port tx"  # it leads, short of the rate: reported, still no match
+    result = bounds.reproduce({cfg.key: load_run(tmp_path / "x" / cfg.folder())}, tmp_path / "out", quick=True)
+    assert any(n.startswith("At 3P1D the predicted resource is the most utilised but stays under 0.9") for n in result.notes)
 
 
 def test_reproduce_writes_the_interface_the_checks_read(tmp_path):
@@ -126,7 +129,7 @@ def test_reproduce_writes_the_interface_the_checks_read(tmp_path):
     assert [(x["p"], x["d"], x["inside"]) for x in s["points"]] == [
         (1, 4, False), (1, 2, True), (2, 3, True), (1, 1, True), (3, 1, False)]
     for x in s["points"]:
-        assert x["measured"] == x["predicted"] and set(x["utilization"]) >= {SNIC_RX, "PE CNIC rx", "DE host port tx"}
+        assert x["measured"] == x["predicted"] == x["most_utilized"] and set(x["utilization"]) >= {SNIC_RX, "PE CNIC rx", "DE host port tx"}
         assert all(0 <= v <= 1.5 for v in x["utilization"].values())
     assert s["all_match"] and s["complete"]
     assert len(s["pngs"]) == 2 and all(is_valid_png(folder / p) for p in s["pngs"])
