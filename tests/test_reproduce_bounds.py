@@ -112,7 +112,8 @@ def test_points_match_when_the_measured_bottleneck_is_the_predicted_one(tmp_path
     assert row["measured"] is None and not row["match"]
     assert row["most_utilized"] == "DE host port tx"  # it leads, short of the rate: reported, still no match
     result = bounds.reproduce({cfg.key: load_run(tmp_path / "x" / cfg.folder())}, tmp_path / "out", quick=True)
-    assert any(n.startswith("At 3P1D the predicted resource is the most utilised but stays under 0.9") for n in result.notes)
+    assert any(n.startswith("At 3P1D the predicted resource is the most utilised but stays under 0.9 of its rate "
+                            "(those runs are FAITHFUL") for n in result.notes)
 
 
 def test_reproduce_writes_the_interface_the_checks_read(tmp_path):

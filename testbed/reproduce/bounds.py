@@ -271,11 +271,15 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         "Utilisation counts every byte HTB shaped (headers, miss KV, write-back, control), the analysis hit KV only: "
         "the measured shares of the non-bottleneck links sit a few percent above the expected ones.",
     ]
-    short = [f"{r['p']}P{r['d']}D" for r in rows if r["measured"] is None and r["most_utilized"] == r["predicted"]]
+    short = [r for r in rows if r["measured"] is None and r["most_utilized"] == r["predicted"]]
     if short:
-        notes.insert(0, f"At {', '.join(short)} the predicted resource is the most utilised but stays under "
-                        f"{SATURATED:g} of its rate: no resource ran at its rate there (check each run's fidelity "
-                        "verdict: an UNFAITHFUL run's host, not its links, set the pace). Those points do not match.")
+        why = ("those runs are FAITHFUL, so the host did not set the pace: the load did not keep the link busy"
+               if all(r["faithful"] for r in short) else
+               "an UNFAITHFUL run's host, not its links, may have set the pace")
+        where = ", ".join(f"{r['p']}P{r['d']}D" for r in short)
+        notes.insert(0, f"At {where} the predicted resource is "
+                        f"the most utilised but stays under {SATURATED:g} of its rate ({why}). Those points do not "
+                        "match.")
     if len(done) < len(rows):
         notes.insert(0, f"{len(rows) - len(done)} of {len(rows)} points have no run: nothing measured there.")
     sections = ["## The sweep", "", "| P | D | P/D | inside | predicted | measured | match | most utilised | "
