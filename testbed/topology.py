@@ -80,6 +80,7 @@ _HINTS: dict[str, str] = {
     "storage.disk_gbps": "set storage.disk_gbps to a positive number (paper units)",
     "storage.nic_gbps": "set storage.nic_gbps to a positive number (paper units)",
     "qos": "set qos to on or off",
+    "collectives": "set collectives to on (the target's per-layer AllToAll over the CNICs) or off",
     "compute": "set compute to emulated (the target GPU's time) or cpu (the host's own time)",
     "target": "name a known GPU and model, e.g. target: {gpu: h800, model: qwen2.5-32b}",
     "target.gpu": "name a known GPU, e.g. h800 (see emulators/gpu/specs.py)",
@@ -135,6 +136,10 @@ class TopologySpec(_Strict):
     hbm_gib_per_engine: float = _GiB
     storage: StorageSpec
     qos: bool = True
+    # Model-class traffic: the engines of a group run the target's per-layer collective (the
+    # AllToAll of expert parallelism) over their CNICs and every pass waits for it. Off by
+    # default: the shipped targets' Qwen2.5-32B is served data-parallel and has none.
+    collectives: bool = False
     mtu: int = Field(default=1500, ge=576, le=9000)
     # Time: "emulated" runs every pass and decode step for as long as the target takes
     # (times the dilation); "cpu" keeps the host's own time, for runs that time the CPU.
@@ -218,6 +223,9 @@ class Topology:
     def emulated(self) -> bool:
         return self.spec.compute == "emulated"
 
+    def _collectives_line(self) -> str:
+        return _collectives_line(self)
+
     def target(self):
         """The emulated GPU and model (emulators.gpu.cost.Target)."""
         from emulators.gpu.cost import target
@@ -256,7 +264,7 @@ class Topology:
             f"host port {_fmt(self.host_port_bps)} ({self.host_port_basis}), "
             f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}",
             f"P/D={self.pd_ratio:.3g} is {verdict} the paper's bottleneck-free range "
-            f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}",
+            f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}; collectives {self._collectives_line()}",
             *self._testbed_bound_lines(),
             time_line,
         ]
@@ -277,6 +285,16 @@ class Topology:
         lines.append(f"  predicted to saturate first here: {first} (at {u[first]:.2f} of its rate with "
                      f"every SNIC at full rate)")
         return lines
+
+
+def _collectives_line(topo: "Topology") -> str:
+    if not topo.spec.collectives:
+        return "off"
+    from emulators.gpu.collectives import collective_traffic
+
+    c = collective_traffic(topo.target().model)
+    return (f"on ({c.kind} of EP {c.ep} over {c.nodes} nodes: {c.bytes_per_token / 1e6:.3g} MB per token on the "
+            f"target's CNIC, {c.bytes_per_token / topo.target().model.kv_bytes_per_token:.3g}x its KV bytes; scaled like KV)")
 
 
 def _bps(gbps: float) -> int:
@@ -486,6 +504,17 @@ def _check_carried(t: Topology, source: str, memory_bytes: int) -> None:
     if engines > MAX_ENGINES:
         fail("engines_per_node", f"{engines} engines in all, more than {MAX_ENGINES} processes this host can run",
              "use fewer nodes or engines per node")
+    if s.collectives:
+        from emulators.gpu.collectives import NoCollective, collective_traffic
+
+        try:
+            collective_traffic(t.target().model)
+        except NoCollective as e:
+            fail("collectives", str(e), "set collectives: off, or name a target with cross-node expert "
+                 "parallelism (e.g. target: {gpu: h800, model: deepseek-v3.2})")
+        if s.engines_per_node < 2 and s.prefill_nodes < 2:
+            fail("collectives", "no engine group has two engines, so nothing would exchange",
+                 "give the group peers: engines_per_node >= 2 or prefill_nodes >= 2")
     gib = 2.0**30
     for field, v in (("dram_buffer_gib", s.dram_buffer_gib), ("hbm_gib_per_engine", s.hbm_gib_per_engine)):
         if memory_bytes and v * gib > memory_bytes:
