@@ -38,6 +38,11 @@ class PassTiming:
     compute_cpu_s: float = 0.0  # real compute, CPU time of the computing thread
     io_wait_s: float = 0.0  # waiting for KV to land (real I/O, not compute)
     late_s: float = 0.0  # how far the real compute ran past the held window, summed
+    # model-class collectives the pass waited for (dualpath/engines/collective.py): real network
+    # time on the emulated links, so already in the target's time times the dilation, like a KV
+    # load; it extends the schedule and is never lateness (only compute can be late)
+    collective_s: float = 0.0
+    collectives: int = 0
 
     def add(self, other: "PassTiming") -> None:
         for k, v in asdict(other).items():
@@ -92,9 +97,13 @@ class DeviceClock:
         if not self.emulated:
             return self.now()
         end = self.window(start, emulated_s, timing)
-        while (left := end - self.now()) > 0:
-            self._sleep(left)
+        self.sleep_until(end)
         return end
+
+    def sleep_until(self, t: float) -> None:
+        """Wait until the clock reads `t` (at once if it already has)."""
+        while (left := t - self.now()) > 0:
+            self._sleep(left)
 
     def finish(self, end: float, timing: PassTiming) -> None:
         """The work whose schedule ended at `end` is done now: record how late it is."""

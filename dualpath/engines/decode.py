@@ -11,14 +11,23 @@ A step's tokens exist when its window ends: that is when they are timestamped, a
 Block that one of them completed starts its write-back (D2H through the CNIC). While a step's
 window runs, the engine's loop goes on admitting requests and polling their loads, as a GPU
 overlaps copies with compute.
+
+With a collective (the group's AllToAll, dualpath/engines/collective.py) a step is n_layer layer
+windows, each followed by one collective over the CNIC for the batch's tokens; a thread runs
+them on the target's schedule (layer l's collective starts when its window ends) while the loop
+goes on, and wakes the loop through `wake_fd` when the step is over. The collectives' real time
+extends the step; only the compute can make it late, as without them.
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
 from dualpath.kv.decode_connector import DecodeConnector, DecodePlan
 from dualpath.engines.clock import DeviceClock, PassTiming
+from dualpath.engines.collective import CollectiveGroup
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import DecodeCache, Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
@@ -51,16 +60,21 @@ class _Step:
     jobs: list[DecodeJob]
     new: list[int]  # per job: the token, published at `end` (its KV is already in the job's cache)
     start: float
-    end: float
+    end: float  # without collectives: when the window ends; with them: set by the thread when done
     timing: PassTiming
+    done: threading.Event | None = None  # set when the step's collectives are over (None: none)
+    error: str | None = None
 
 
 class DecodeBatcher:
     """The engine's requests between steps: loading, in the batch, or finishing their saves."""
 
     def __init__(self, model: Transformer, geom: BlockGeometry, clock: DeviceClock | None = None,
-                 cost: DecodeCostModel | None = None) -> None:
+                 cost: DecodeCostModel | None = None, collective: CollectiveGroup | None = None) -> None:
         self.model, self.geom = model, geom
+        self.collective = collective
+        # the collectives' thread writes a byte here when a step ends, so the loop wakes at once
+        self.wake_fd, self._wake_w = os.pipe() if collective is not None else (None, None)
         self.clock = clock or DeviceClock()
         if self.clock.emulated and cost is None:
             raise ValueError("an emulated clock needs the target's decode cost model")
@@ -92,8 +106,16 @@ class DecodeBatcher:
         return self._step is None and bool(self.batch)
 
     def step_due_in(self) -> float | None:
-        """Seconds until the running step's window ends (None if no step is running)."""
-        return None if self._step is None else max(0.0, self._step.end - self.clock.now())
+        """Seconds until the running step's window ends (None if no step is running, or if its
+        collectives decide when it ends: then `wake_fd` says so)."""
+        if self._step is None or self._step.done is not None:
+            return None
+        return max(0.0, self._step.end - self.clock.now())
+
+    def _step_over(self, step: _Step) -> bool:
+        if step.done is not None:
+            return step.done.is_set()
+        return self.clock.now() >= step.end
 
     # -- progress -------------------------------------------------------------------------------
     def poll(self) -> list[DecodeJob]:
@@ -113,7 +135,10 @@ class DecodeBatcher:
             self._save_full_blocks(job)  # blocks the prompt itself completed
             (self.finishing if job.done_decoding or job.error else self.batch).append(job)
         self.loading = still
-        if self._step is not None and self.clock.now() >= self._step.end:
+        if self._step is not None and self._step_over(self._step):
+            if self._step.error:
+                for job in self._step.jobs:
+                    self._fail(job, RuntimeError(self._step.error))
             self._publish(self._step)
             self._step = None
         done, still = [], []
@@ -143,6 +168,31 @@ class DecodeBatcher:
         emulated = self.cost.step_cost([j.n_kv for j in jobs]) if self.clock.emulated else 0.0  # keys incl. the new one
         end = self.clock.deadline(t0, emulated, timing)
         self._step = _Step(jobs, new, t0, end, timing)
+        if self.collective is not None:
+            self._step.done = threading.Event()
+            threading.Thread(target=self._collectives, args=(self._step, len(jobs)), daemon=True,
+                             name="dpt-collective").start()
+
+    def _collectives(self, step: _Step, n_tokens: int) -> None:
+        """The step's layers on the target's schedule: layer l's window, then its collective.
+        The step's windows end together where the compute's deadline put them (`step.end`); a
+        compute that ran late (already recorded) starts the collectives late."""
+        n_layer = self.model.config.n_layer
+        window = (step.end - step.start) / n_layer
+        sched = step.start
+        try:
+            for _ in range(n_layer):
+                sched += window
+                self.clock.sleep_until(sched)
+                rec = self.collective.run(n_tokens)
+                sched += rec.latency_s
+                step.timing.collective_s += rec.latency_s
+                step.timing.collectives += 1
+        except Exception as e:  # the step's jobs fail with it, in the loop's thread
+            step.error = f"collective: {type(e).__name__}: {e}"
+        step.end = max(sched, self.clock.now())
+        step.done.set()
+        os.write(self._wake_w, b"x")
 
     def _publish(self, step: _Step) -> None:
         t = step.end
@@ -151,8 +201,11 @@ class DecodeBatcher:
             job.token_times.append(t)
             self._save_full_blocks(job)
             (self.finishing if job.done_decoding or job.error else self.batch).append(job)
-        self.step_log.append({"t_start": step.start, "t_end": t, "n": len(step.jobs), **step.timing.to_dict(),
-                              "overran": step.timing.overran})
+        rec = {"t_start": step.start, "t_end": t, "n": len(step.jobs), **step.timing.to_dict(),
+               "overran": step.timing.overran}
+        if self.collective is not None:
+            rec["collective_log"] = self.collective.take_log()
+        self.step_log.append(rec)
 
     def _save_full_blocks(self, job: DecodeJob) -> None:
         """Every Full Block the request's KV has completed and not yet saved, as soon as it fills."""

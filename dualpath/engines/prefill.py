@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dualpath.engines.clock import DeviceClock, PassTiming
+from dualpath.engines.collective import CollectiveGroup
 from dualpath.kv.connector import KVConnector, LoadPlan
 from dualpath.model import Transformer
 from dualpath.scheduler.cost_model import AttentionCostModel
@@ -27,8 +28,8 @@ class PrefillOutcome:
 
 
 def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVConnector]],
-                  clock: DeviceClock | None = None, cost: AttentionCostModel | None = None
-                  ) -> tuple[list[PrefillOutcome], PassTiming]:
+                  clock: DeviceClock | None = None, cost: AttentionCostModel | None = None,
+                  collective: CollectiveGroup | None = None) -> tuple[list[PrefillOutcome], PassTiming]:
     """Run each request's miss tokens after its past tokens, one layer at a time for the batch.
 
     Per layer: wait until every request's past KV of that layer is in HBM (the connectors
@@ -41,6 +42,14 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
     window has ended. A layer whose CPU compute runs past its window ships late, but the next
     window stays where it was, so the pass can catch up; the pass is late only by how far its
     last layer ends past the schedule (what the fidelity verdict judges).
+
+    With a `collective` (the group's AllToAll), every layer ends with one over the CNIC for the
+    batch's new tokens, after its KV is handed to the connectors (the KV ships while the
+    collective runs, as on a GPU). The pass waits for it, and the schedule moves by exactly its
+    real duration: on the target it starts when the layer's compute window ends, and its real
+    time on the emulated links is already the target's times the dilation. So a slow collective
+    lengthens the pass (the isolation experiment measures that) but is never lateness; compute
+    that ran past its window stays late by the same amount as before.
     """
     clock = clock or DeviceClock()
     n_layer = model.config.n_layer
@@ -50,6 +59,7 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
             raise ValueError("an emulated clock needs the target's prefill cost model")
         layer_s = cost.predict((plan.n_past, len(tokens)) for tokens, plan, _ in items) / n_layer
     timing = PassTiming()
+    n_new = sum(len(tokens) for tokens, _, _ in items)  # the tokens the layer's AllToAll routes
     xs = [model.embed(tokens) for tokens, _, _ in items]
     compute = [0.0] * len(items)
     compute_cpu = [0.0] * len(items)
@@ -78,6 +88,11 @@ def prefill_batch(model: Transformer, items: list[tuple[list[int], LoadPlan, KVC
             end = clock.hold(start, layer_s, timing)
             for (_, _, conn), (k, v) in zip(items, new_kv):
                 conn.save_layer(layer, k, v)
+            if collective is not None:
+                rec = collective.run(n_new)
+                end += rec.latency_s
+                timing.collective_s += rec.latency_s
+                timing.collectives += 1
         clock.finish(end, timing)
     finally:
         for conn in started:

@@ -14,6 +14,7 @@ import numpy as np
 STATE_PORT_OFFSET = 1
 LOAD_PORT_OFFSET = 2
 JOBS_PORT_OFFSET = 3  # long commands, many outstanding: a host agent's flushes and waits, a DE's decodes
+COLLECTIVE_PORT_OFFSET = 4  # an engine's collective responder (model class, like control)
 
 
 def state_port(control_port: int) -> int:
@@ -26,6 +27,10 @@ def load_port(control_port: int) -> int:
 
 def jobs_port(control_port: int) -> int:
     return control_port + JOBS_PORT_OFFSET
+
+
+def collective_port(control_port: int) -> int:
+    return control_port + COLLECTIVE_PORT_OFFSET
 
 
 def positive_int(text: str) -> int:

@@ -9,6 +9,7 @@ transport when idle so that peers' endpoints settle.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -21,6 +22,7 @@ from dualpath.kv.buffers import ByteAllocator
 from dualpath.control import MAX_MSG_BYTES, RpcServer, pack, unpack
 from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan, OracleDecodeConnector
 from dualpath.engines.clock import DeviceClock
+from dualpath.engines.collective import CollectiveGroup
 from dualpath.engines.decode import DecodeBatcher, DecodeJob
 from dualpath.kv.spans import Span
 from dualpath.kv.layouts import BlockGeometry
@@ -44,9 +46,10 @@ def _decode_args(request: str, n_prompt: int, first_token: int, t_first_token: f
 class DecodeService:
     def __init__(self, model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
                  load: EngineLoad, clock: DeviceClock, cost: DecodeCostModel | None, control: str, decode: str,
-                 handlers: dict[str, Callable[..., dict | None]], max_seconds: float = 24 * 3600) -> None:
+                 handlers: dict[str, Callable[..., dict | None]], max_seconds: float = 24 * 3600,
+                 collective: CollectiveGroup | None = None) -> None:
         self.agent, self.hbm, self.alloc, self.geom, self.load = agent, hbm, alloc, geom, load
-        self.batcher = DecodeBatcher(model, geom, clock, cost)
+        self.batcher = DecodeBatcher(model, geom, clock, cost, collective)
         self.rpc = RpcServer(control, {**handlers, "steps": self._steps})
         self.ctx = zmq.Context()
         self.jobs = self.ctx.socket(zmq.ROUTER)
@@ -65,6 +68,8 @@ class DecodeService:
         poller.register(self.rpc.sock, zmq.POLLIN)
         poller.register(self.jobs, zmq.POLLIN)
         b = self.batcher
+        if b.wake_fd is not None:  # a step whose collectives ended
+            poller.register(b.wake_fd, zmq.POLLIN)
         deadline = time.monotonic() + self.max_seconds
         try:
             while time.monotonic() < deadline:
@@ -76,6 +81,8 @@ class DecodeService:
                     if due is not None:
                         timeout = min(timeout, due)
                 events = dict(poller.poll(int(timeout * 1000)))
+                if b.wake_fd is not None and b.wake_fd in events:
+                    os.read(b.wake_fd, 64)
                 if self.rpc.sock in events:
                     reply = self.rpc.handle(self.rpc.sock.recv())
                     self.rpc.sock.send(pack(reply))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 from dualpath.nodes.common import base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, wiring_handlers
 from dualpath.nodes.leader import EngineLoad, GroupLeader, serve_state
@@ -30,6 +32,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--timing", default="", help="JSON {dilation, prefill, decode}: the emulated clock "
                     "and the target's cost models; empty: the CPU's own time")
+    ap.add_argument("--collectives", default="", help="JSON {port, peers, dispatch_per_token, "
+                    "combine_per_token}: run the group's AllToAll on every layer; empty: none")
     args = ap.parse_args()
     exit_on_sigterm()
     if args.timing:
@@ -64,6 +68,13 @@ def main() -> None:
 
     timing = json.loads(args.timing) if args.timing else None
     clock = DeviceClock(timing["dilation"] if timing else None)
+    collective, responder = None, None
+    if args.collectives:
+        from dualpath.engines.collective import CollectiveConfig, CollectiveGroup
+
+        ccfg = CollectiveConfig.from_dict(json.loads(args.collectives))
+        responder = _start_responder(args.ip, ccfg)
+        collective = CollectiveGroup(ccfg)
 
     def lead(group: str, scheduler: str, members: dict[str, list[str]], nodes: dict[str, str],
              interval_s: float = 0.02, bell: str | None = None) -> dict:
@@ -88,7 +99,7 @@ def main() -> None:
         from dualpath.nodes.prefill_service import prefill_handlers
 
         cost = AttentionCostModel.from_dict(timing["prefill"]) if timing else None
-        handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost)
+        handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective)
         server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                            {**wiring_handlers(agent, hello), **common, **handlers})
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
@@ -97,6 +108,8 @@ def main() -> None:
             server.serve(idle=agent.progress)
         finally:
             agent.close()
+            if responder is not None:
+                responder.terminate()
     else:
         from dualpath.nodes.decode_service import DecodeService
 
@@ -104,12 +117,27 @@ def main() -> None:
         service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,
                                 control=f"tcp://{args.ip}:{args.control_port}",
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                                handlers={**wiring_handlers(agent), **common})
+                                handlers={**wiring_handlers(agent), **common}, collective=collective)
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:
             service.serve()
         finally:
             agent.close()
+            if responder is not None:
+                responder.terminate()
+
+
+def _start_responder(ip: str, cfg) -> subprocess.Popen:
+    """The engine's collective responder (dualpath/nodes/collective_peer.py), listening on its
+    CNIC before the engine says ready, so a peer's first dispatch finds it."""
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.nodes.collective_peer", "--ip", ip,
+                             "--port", str(cfg.port), "--tos", str(cfg.tos)],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    line = proc.stdout.readline().decode(errors="replace")  # bounded: it prints or exits
+    if not line.startswith("listening"):
+        proc.kill()
+        raise RuntimeError(f"collective responder on {ip}:{cfg.port} did not start (exit {proc.wait()})")
+    return proc
 
 
 if __name__ == "__main__":

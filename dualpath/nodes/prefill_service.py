@@ -8,6 +8,7 @@ import numpy as np
 from dualpath.nodes.leader import EngineLoad
 from dualpath.kv.buffers import ByteAllocator
 from dualpath.engines.clock import DeviceClock
+from dualpath.engines.collective import CollectiveGroup
 from dualpath.engines.prefill import prefill_batch as run_prefill_batch
 from dualpath.kv.connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector, PastRead
 from dualpath.kv.spans import Span
@@ -17,10 +18,12 @@ from dualpath.scheduler.cost_model import AttentionCostModel
 
 
 def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-                     load: EngineLoad, clock: DeviceClock, cost: AttentionCostModel | None
-                     ) -> tuple[dict[str, Callable[..., dict]], dict]:
+                     load: EngineLoad, clock: DeviceClock, cost: AttentionCostModel | None,
+                     collective: CollectiveGroup | None = None) -> tuple[dict[str, Callable[..., dict]], dict]:
     """The engine's `prefill_batch` command, and what its `hello` adds: on the CPU's own clock,
-    the cost model fitted on this engine's prefill loop and its throughput (for beta)."""
+    the cost model fitted on this engine's prefill loop and its throughput (for beta). With a
+    `collective`, every layer of every pass runs the group's AllToAll, and the reply's timing
+    lists each one (`collective_log`)."""
     hello: dict = {}
     if not clock.emulated:
         from dualpath.engines.profile import profile_model
@@ -59,7 +62,7 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
                 raise ValueError(f"request {r.get('request')!r}: a prefill needs at least one miss token")
             plan = plan_of(r)
             items.append((list(r["tokens"]), plan, connector(r["mode"], plan)))
-        outs, timing = run_prefill_batch(model, items, clock, cost)
+        outs, timing = run_prefill_batch(model, items, clock, cost, collective)
         t_end = clock.now()  # the first tokens exist now
         for r in requests:
             if r.get("last", True):
@@ -73,7 +76,10 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
                             "read_wait_s": s.read_wait_s, "peak_hit_bytes": s.peak_hit_bytes,
                             "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs,
                             "reread_bytes": s.reread_bytes})
-        return {"results": results, "t_end": t_end, "timing": {**timing.to_dict(), "overran": timing.overran},
+        tm = {**timing.to_dict(), "overran": timing.overran}
+        if collective is not None:
+            tm["collective_log"] = collective.take_log()
+        return {"results": results, "t_end": t_end, "timing": tm,
                 "attention_s": sum(o.compute_cpu_s for o in outs),
                 "attention_wall_s": sum(o.compute_s for o in outs)}
 
