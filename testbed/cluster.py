@@ -21,11 +21,11 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from dualpath.nodes.common import jobs_port, load_port
+from dualpath.nodes.common import collective_port, jobs_port, load_port
 from dualpath.control import AsyncRpcClient, RpcClient
 from dualpath.kv.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
-from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric
+from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric, engine_groups
 from testbed.shell import ns_argv, run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +77,20 @@ class NodeProcess:
                 self.proc.wait(5)
 
 
+def collective_configs(endpoints: list[Endpoint], sizes: dict) -> dict[str, dict]:
+    """Engine -> its collective's config: the port, its group's other engines' CNIC addresses and
+    the bytes per token. An engine alone in its group has no one to exchange with and none."""
+    out = {}
+    for members in engine_groups(endpoints).values():
+        if len(members) < 2:
+            continue
+        for e in members:
+            out[e.name] = {"port": collective_port(CONTROL_PORT), "peers": [p.ip for p in members if p is not e],
+                           "dispatch_per_token": float(sizes["dispatch_per_token"]),
+                           "combine_per_token": float(sizes["combine_per_token"])}
+    return out
+
+
 def _tail(path: Path, n: int = 1) -> str:
     try:
         lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
@@ -90,11 +104,14 @@ class Cluster:
 
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
                  buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp",
-                 timing: dict | None = None):
+                 timing: dict | None = None, collectives: dict | None = None):
         """`timing`: the engines' emulated clock ({dilation, prefill, decode}: the target's cost
-        models as dicts); None keeps the host's own time."""
+        models as dicts); None keeps the host's own time. `collectives`: the per-layer AllToAll's
+        bytes ({dispatch_per_token, combine_per_token}, RunClock.engine_collectives); every engine
+        of a group of two or more runs it with the group's others; None: no collectives."""
         self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
         self.timing = timing
+        self.collectives = collective_configs(fab.endpoints, collectives) if collectives else {}
         self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
         self.transport = transport  # "rdma" without RDMA devices fails at start, never falls back
         self.stores: list[ServerProcess] = []
@@ -150,7 +167,8 @@ class Cluster:
                 self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
                     "--role", ep.role, "--checkpoint", str(self.checkpoint),
                     "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size),
-                    *(["--timing", json.dumps(self.timing)] if self.timing else [])])
+                    *(["--timing", json.dumps(self.timing)] if self.timing else []),
+                    *(["--collectives", json.dumps(self.collectives[ep.name])] if ep.name in self.collectives else [])])
         for p in self.procs.values():
             self.transports[p.name] = p.wait_ready().split(" ", 2)[2]
         # The conductor's own address on the compute bridge (removed with the bridge).

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from dualpath.accounting import STORAGE_OWNER
 from dualpath.traffic_classes import KV, MODEL
+from emulators import dscp_marking
 from emulators.nic import ROOT_CLASS, class_for, parse_class_drops, parse_class_packets, parse_class_stats
 from testbed.shell import run
 from testbed.fabric import Fabric
@@ -79,3 +80,21 @@ def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int,
 
 def _show(dev: str, ns: str | None) -> str:
     return run(["tc", "-s", "class", "show", "dev", dev], ns=ns)
+
+
+def dscp_counters(fab: Fabric) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per namespace (every host and engine), (bytes, packets) it has sent in each traffic class,
+    by the DS field on the wire (nftables, emulators/dscp_marking.py): true whether HTB has two
+    classes or one FIFO. Storage namespaces have no marking table and are left out."""
+    out = {}
+    for ep in fab.endpoints:
+        if ep.kind != "storage":
+            out[ep.name] = dscp_marking.parse_counters(
+                run(["nft", "-j", "list", "counters", "table", "ip", dscp_marking.TABLE], ns=ep.name))
+    return out
+
+
+def dscp_delta(after: dict[str, dict[str, tuple[int, int]]], before: dict[str, dict[str, tuple[int, int]]]
+               ) -> dict[str, dict[str, tuple[int, int]]]:
+    return {ns: {c: (b - before.get(ns, {}).get(c, (0, 0))[0], p - before.get(ns, {}).get(c, (0, 0))[1])
+                 for c, (b, p) in per.items()} for ns, per in after.items()}

@@ -19,9 +19,11 @@ from dualpath.model import load_config
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
+from dualpath.traffic_classes import MODEL
 from dualpath.workload import Workload
 from testbed import counters
 from testbed.cluster import CONDUCTOR_IP, Cluster
+from testbed.collectives import collective_stats
 from testbed.conductor import MODES, Conductor, RequestRecord
 from testbed.modes import PATH_POLICY
 from testbed.fabric import Fabric
@@ -67,6 +69,7 @@ class ModeResult:
     cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
+    dscp: dict = field(default_factory=dict)  # per namespace, bytes and packets it sent per DSCP class
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
@@ -111,12 +114,14 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
 
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
+    dscp0 = counters.dscp_counters(fab)
     pids = cluster.pids()
     with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon:
         jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
+    res.dscp = counters.dscp_delta(counters.dscp_counters(fab), dscp0)
     res.cpu_own = mon.cpu_own()
     res.cpu_threads = mon.cpu_by_thread(pids)
     res.samples = _time_series(mon, fab, co.t0)
@@ -252,7 +257,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     results = []
     t0 = time.monotonic()
     with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
-                 timing=clock.engine_timing()) as cluster:
+                 timing=clock.engine_timing(), collectives=clock.engine_collectives()) as cluster:
         cluster.run(cluster.connect())
         progress(f"  cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.procs)} node processes, "
                  f"{len(cluster.stores)} storage server(s); transport {sorted(set(cluster.transports.values()))[0].split(' via ')[0]}")
@@ -338,6 +343,10 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                          "storage_nics": [u.to_dict() for u in res.links],
                          "cpu_by_thread": res.cpu_threads},
         }
+        coll = collective_stats(res.batches, res.steps, k)
+        if coll is not None:  # only a topology with `collectives: on` has this block
+            coll["model_class_tx_bytes"] = sum(v[MODEL.name][0] for v in res.dscp.values())
+            out["modes"][res.mode]["collectives"] = coll
     speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     return out
 

@@ -107,6 +107,17 @@ def plan(topo: Topology) -> list[Endpoint]:
     return eps
 
 
+def engine_groups(endpoints: list[Endpoint]) -> dict[str, list[Endpoint]]:
+    """Group id -> its engines, leader first: the prefill engines form one group (one
+    data-parallel attention group, also the target's expert-parallel group); each decode node's
+    engines form another. The scheduler's groups and the collectives' groups are these."""
+    out: dict[str, list[Endpoint]] = {"pe": [e for e in endpoints if e.kind == "engine" and e.role == "prefill"]}
+    for e in endpoints:
+        if e.kind == "engine" and e.role == "decode":
+            out.setdefault(f"de-{e.node}", []).append(e)
+    return out
+
+
 class ClusterTopo(Topo):
     """The declarative Mininet topology: hosts, two bridges, one veth per NIC."""
 

@@ -22,16 +22,27 @@ class RunClock:
     prefill_cost: AttentionCostModel | None = None  # the target's, in emulated seconds
     decode_cost: DecodeCostModel | None = None
     prefill_tokens_per_s: float | None = None  # the target's, per emulated second (beta)
+    # the group's per-layer AllToAll (topology `collectives: on`): the target's CNIC traffic and
+    # the testbed's (dispatch, combine) bytes per token per testbed layer, scaled like KV
+    collective: dict | None = None
+    collective_per_token: tuple[float, float] | None = None
 
     @classmethod
     def of(cls, topo: Topology, geom: BlockGeometry) -> "RunClock":
         tb = geom.kv_bytes_per_token
         tgt = topo.target()
         name = f"{topo.spec.target.model} on {topo.spec.target.gpu}"
+        coll = {}
+        if topo.spec.collectives:  # the topology checked that the target has one
+            from emulators.gpu.collectives import collective_traffic
+
+            traffic = collective_traffic(tgt.model)
+            coll = {"collective": traffic.to_dict(),
+                    "collective_per_token": traffic.per_testbed_layer(tb, tgt.model.kv_bytes_per_token, geom.n_layer)}
         if not topo.emulated:
-            return cls(False, 1.0, name, (tb, tgt.model.kv_bytes_per_token))
+            return cls(False, 1.0, name, (tb, tgt.model.kv_bytes_per_token), **coll)
         return cls(True, topo.dilation(tb), name, (tb, tgt.model.kv_bytes_per_token),
-                   tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0))
+                   tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0), **coll)
 
     def engine_timing(self) -> dict | None:
         """What the engines need to keep the target's time (None: the host's)."""
@@ -40,6 +51,13 @@ class RunClock:
         return {"dilation": self.dilation, "prefill": self.prefill_cost.to_dict(),
                 "decode": self.decode_cost.to_dict()}
 
+    def engine_collectives(self) -> dict | None:
+        """What every engine's collective needs besides its peers (None: no collectives)."""
+        if self.collective_per_token is None:
+            return None
+        d, c = self.collective_per_token
+        return {"dispatch_per_token": d, "combine_per_token": c}
+
     def to_emulated(self, testbed_s: float) -> float:
         return testbed_s / self.dilation
 
@@ -47,4 +65,7 @@ class RunClock:
         return {"compute": "emulated" if self.emulated else "cpu", "target": self.target,
                 "dilation": round(self.dilation, 6),
                 "kv_bytes_per_token": {"testbed": self.kv_bytes_per_token[0], "target": self.kv_bytes_per_token[1]},
-                "emulated_second_in_testbed_s": round(self.dilation, 6)}
+                "emulated_second_in_testbed_s": round(self.dilation, 6),
+                "collectives": ({**self.collective, "testbed_dispatch_bytes_per_token_layer": round(self.collective_per_token[0], 1),
+                                 "testbed_combine_bytes_per_token_layer": round(self.collective_per_token[1], 1)}
+                                if self.collective else None)}

@@ -24,17 +24,16 @@ from dualpath.scheduler.messages import RequestMsg
 from dualpath.scheduler.records import Assignment, Request
 from dualpath.scheduler.service import SchedulerClient, SchedulerService
 from testbed.cluster import CONTROL_PORT, Cluster
+from testbed.fabric import engine_groups
 from dualpath.kv.plan import Route
 
 SERVICE_MAX_S = 6 * 3600  # the serving loop's own bound; a run stops it long before
 
 
 def groups_of(cluster: Cluster) -> dict[str, list[str]]:
-    """Group id -> its engines, leader first."""
-    out: dict[str, list[str]] = {"pe": cluster.engines("prefill")}
-    for de in cluster.engines("decode"):
-        out.setdefault(f"de-{cluster.host_of(de)}", []).append(de)
-    return out
+    """Group id -> its engines, leader first (testbed.fabric.engine_groups)."""
+    return {g: [e.name for e in eps if e.name in cluster.procs]
+            for g, eps in engine_groups(cluster.fab.endpoints).items()}
 
 
 class Router(Protocol):
