@@ -70,6 +70,7 @@ class ModeResult:
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
     dscp: dict = field(default_factory=dict)  # per namespace, bytes and packets it sent per DSCP class
+    counters_s: float = 0.0  # testbed seconds between the counters' two snapshots
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
@@ -115,6 +116,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
     dscp0 = counters.dscp_counters(fab)
+    tc0 = time.monotonic()
     pids = cluster.pids()
     with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon:
         jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
@@ -122,6 +124,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.dscp = counters.dscp_delta(counters.dscp_counters(fab), dscp0)
+    res.counters_s = time.monotonic() - tc0
     res.cpu_own = mon.cpu_own()
     res.cpu_threads = mon.cpu_by_thread(pids)
     res.samples = _time_series(mon, fab, co.t0)
