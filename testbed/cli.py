@@ -272,7 +272,7 @@ def _real_text_time_note(emulated_topo, geom) -> str:
 
 
 @app.command()
-def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds (see --list)"),
+def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds, isolation (see --list)"),
               quick: bool = typer.Option(False, "--quick", help="the small size (at most ~10 min of runs)"),
               out: Path = typer.Option(Path("results/reproduce"), help="results go to OUT/<id>/<run-id>/, runs to OUT/runs/"),
               list_ids: bool = typer.Option(False, "--list", help="print the ids, one per line"),

@@ -1,8 +1,10 @@
 """`dualpath reproduce <id>`: one command per table and figure of the paper.
 
-Layout: one module per id (table1, table2, fig7 ... fig14), each with
+Layout: one module per id (table1 ... table3, fig7 ... fig15, bounds, isolation), each with
     plan(quick) -> Plan            the `dualpath run` configurations it needs (none for tables)
     reproduce(runs, out, quick)    the analysis and plots, pure functions of run folders -> Result
+    run_config(cfg, dir, ...)      optional: an id whose run is not a plain `dualpath run` (isolation:
+                                   three conditions on one cluster) runs its configs with this
 and the common parts: runs (the run-folder loader), plan (configurations and run-time estimates),
 execute (runs a plan on the testbed: root), online (the SLO, the steady-state rule, the APS
 search), common (summary.json, report.md, headline rows), paper (the paper's numbers).
@@ -17,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-IDS = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14", "fig15", "bounds")
+IDS = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14", "fig15", "bounds",
+       "isolation")
 DEFAULT_OUT = Path("results/reproduce")
 
 
@@ -95,7 +98,9 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
         else:
             from testbed.reproduce.execute import execute
 
-            runs, missing = execute(plan, Path(out_root) / "runs", command=command, progress=progress, fresh=fresh)
+            extra = {"runner": mod.run_config} if hasattr(mod, "run_config") else {}
+            runs, missing = execute(plan, Path(out_root) / "runs", command=command, progress=progress, fresh=fresh,
+                                    **extra)
     out = Path(out_root) / fig_id / (run_id or time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     result = mod.reproduce(runs, out, quick=quick)

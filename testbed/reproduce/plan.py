@@ -43,7 +43,9 @@ MODE_OVERHEAD_S = 2.0  # a mode's warm-up and drain
 # 142 s for 702 of ~1,700 tokens (0.2 s each).
 VERIFY_S_PER_TOKEN = 9e-5
 READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD", "dualpath-split": "PD",
-           "oracle": ""}
+           "oracle": "",
+           # the isolation run's conditions: each an oracle pass of the workload (testbed/isolation.py)
+           "idle": "", "qos_on": "", "qos_off": ""}
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
         limited[m] = "storage NICs" if t == io else "prefill engines" if t == pe_work else \
             ("arrivals" if cfg.online else "the longest agent's chain of turns")
         per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
-    verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(m != "oracle" for m in cfg.modes)
+    verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(READERS.get(m, "P") != "" for m in cfg.modes)
     total = SETUP_S + sum(per_mode.values()) + verify
     return {"per_mode_s": per_mode, "limited_by": limited, "verify_s": round(verify, 1), "total_s": round(total, 1),
             "hit_bytes": hit_bytes, "requests": wn["requests"], "dilation": k}

@@ -1,0 +1,282 @@
+"""Isolation: the model's collectives beside saturating KV traffic, QoS on against QoS off.
+
+The paper argues that virtual lanes keep KV transfers from delaying the model's collectives but
+never shows it. One run (testbed/isolation.py) on 1p1d-isolation (DS 660B's per-layer AllToAll
+over the CNICs, model class) runs one workload in three conditions: idle (no KV traffic), under a
+saturating kv-class load into every CNIC with QoS on, and the same load with `qos: off`. From it:
+collective latency p50/p99, forward-pass time (prefill passes and decode steps), TTFT and TPOT per
+condition; the kv load's throughput with QoS on over off; and the bytes of each class from the
+kernel's counters (nftables by DSCP, HTB per class).
+
+Acceptance (issue 12), judged here and never loosened: QoS on, collective p99 under load <= 1.1x
+idle's; QoS off, >= 2x; kv throughput with QoS on >= 0.9 of QoS off's; TTFT and TPOT the same
+pattern (on <= 1.1x idle, off >= 2x idle, at p99 and p50); every condition FAITHFUL.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from testbed import plots
+from testbed.collectives import collective_rows
+from testbed.metrics import percentiles
+from testbed.reproduce.common import Headline, Result, UsedRun, ratio
+from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
+
+ID = "isolation"
+TITLE = "Collectives beside saturating KV traffic: QoS on vs QoS off"
+TOPOLOGY = "1p1d-isolation"
+CONDITIONS = ("idle", "qos_on", "qos_off")  # = testbed.isolation.CONDITIONS (not imported: it needs the testbed)
+LABELS = {"idle": "idle (no KV traffic)", "qos_on": "KV load, QoS on", "qos_off": "KV load, QoS off"}
+COLORS = {"idle": "#55a868", "qos_on": "#4c72b0", "qos_off": "#c44e52"}
+ON_MAX = 1.1  # QoS on: at most this times idle
+OFF_MIN = 2.0  # QoS off: at least this times idle
+KV_MIN = 0.9  # kv throughput with QoS on over off
+
+
+def config(quick: bool) -> RunConfig:
+    agents = 16 if quick else 24
+    turns_scale = 2.0 if quick else 1.0
+    return RunConfig(f"isolation/{TOPOLOGY}/{agents}", TOPOLOGY, CONDITIONS,
+                     WorkloadSpec(agents=agents, turns_scale=turns_scale), params={"agents": agents})
+
+
+def plan(quick: bool = False) -> Plan:
+    cfg = config(quick)
+    return Plan(ID, quick, [cfg], scale_down=(
+        "1P1D with two engines per node (1p1d-isolation: links x0.0025, CNIC 1 Gbit/s); target DS 660B on H800, "
+        "whose EP-16 AllToAll (1.26 MB per token over a GPU's CNIC) is scaled like KV; the demo workload with "
+        f"{cfg.workload.agents} agents{' and half the turns' if quick else ''}, every request in oracle mode (no KV of "
+        "its own); the KV load is one loss-based TCP flow per engine from its node's host port, in the kv class"),
+        notes=["one run, three conditions on one cluster: idle, kv load with QoS on, the same load with QoS off"])
+
+
+def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[str], None] = print,
+               checkpoint: Path | None = None):
+    """The isolation run of `cfg` into run_dir (root, the testbed): the executor's runner for this id."""
+    from testbed.cli import _demo_checkpoint
+    from testbed.isolation import run_isolation
+    from testbed.reproduce.execute import build_workload
+    from testbed.reproduce.runs import load_run, write_plan
+
+    topo = cfg.topology_obj()
+    ckpt = checkpoint or _demo_checkpoint()
+    progress(f"  run {cfg.describe()}")
+    run_isolation(topo, build_workload(cfg, 1.0), ckpt, run_dir, command, progress, quota_s=cfg.quota_ms / 1000,
+                  conditions=cfg.modes, extra={"workload_spec": cfg.to_dict()["workload"]})
+    write_plan(run_dir, {"key": cfg.key, "digest": cfg.digest(), "config": cfg.to_dict()})
+    return load_run(run_dir)
+
+
+# --------------------------------------------------------------------------- analysis (pure)
+
+
+def _pcts(values: list[float], k: float) -> dict[str, Any]:
+    tb = percentiles(values, (50, 90, 99))
+    return {**{p: (v / k if v is not None else None) for p, v in tb.items()}, "testbed_s": tb, "n": len(values)}
+
+
+def condition_numbers(run, cond: str) -> dict[str, Any]:
+    """Everything the figure reads of one condition, in emulated seconds (testbed beside)."""
+    k = run.dilation
+    m = run.mode(cond)
+    rows = collective_rows(run.passes(cond), run.steps(cond))
+    passes = [p["t_end"] - p["t_start"] for p in run.passes(cond)]
+    steps = [s["t_end"] - s["t_start"] for s in run.steps(cond)]
+    iso = m.get("isolation") or {}
+    coll = m.get("collectives") or {}
+    return {
+        "faithful": bool(m.get("faithful")), "unfaithful_reasons": m.get("unfaithful_reasons") or [],
+        "collective": _pcts([r["s"] for r in rows], k),
+        "collective_prefill": _pcts([r["s"] for r in rows if r["role"] == "prefill"], k),
+        "collective_decode": _pcts([r["s"] for r in rows if r["role"] == "decode"], k),
+        "prefill_pass": _pcts(passes, k), "decode_step": _pcts(steps, k),
+        "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"),
+        "kv_bytes_per_s": iso.get("kv_bytes_per_s"),
+        "class_bytes": iso.get("class_bytes") or {},
+        "htb_model_class_bytes_on_nics": (m.get("control_bytes") or {}).get("model_class_on_nics"),
+        "collective_bytes": (coll.get("sent_bytes", 0) + coll.get("received_bytes", 0)) or None,
+        "cnic_rx_share_of_rate": iso.get("cnic_rx_share_of_rate") or {},
+        "qos": iso.get("qos"), "cpu_busy": m.get("cpu_busy"),
+    }
+
+
+def checks(nums: dict[str, dict]) -> dict[str, Any]:
+    """The issue's acceptance comparisons, each with the two numbers it compares."""
+    def rel(metric: str, p: str, cond: str) -> float | None:
+        return ratio(_get(nums, cond, metric, p), _get(nums, "idle", metric, p))
+
+    out: dict[str, Any] = {}
+    for metric, p in (("collective", "p99"), ("ttft_s", "p99"), ("ttft_s", "p50"), ("tpot_s", "p99"), ("tpot_s", "p50")):
+        on, off = rel(metric, p, "qos_on"), rel(metric, p, "qos_off")
+        out[f"{metric}_{p}"] = {"qos_on_over_idle": on, "qos_off_over_idle": off,
+                                "qos_on_ok": on is not None and on <= ON_MAX,
+                                "qos_off_ok": off is not None and off >= OFF_MIN}
+    kv = ratio(nums.get("qos_on", {}).get("kv_bytes_per_s"), nums.get("qos_off", {}).get("kv_bytes_per_s"))
+    out["kv_throughput"] = {"on_over_off": kv, "ok": kv is not None and kv >= KV_MIN}
+    out["all_faithful"] = all(nums.get(c, {}).get("faithful") for c in CONDITIONS)
+    return out
+
+
+def _get(nums: dict, cond: str, metric: str, p: str) -> float | None:
+    v = (nums.get(cond) or {}).get(metric) or {}
+    return v.get(p) if isinstance(v, dict) else None
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _cdf(ax, values: list[float], cond: str, scale: float) -> None:
+    if not values:
+        return
+    xs = np.sort(np.asarray(values) * scale)
+    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), color=COLORS[cond], label=f"{LABELS[cond]} (n={len(xs)})", lw=1.4)
+
+
+def render(run, nums: dict[str, dict], out: Path) -> list[str]:
+    k = run.dilation
+    conds = [c for c in CONDITIONS if run.has(c)]
+    pngs = []
+    for role, title in (("prefill", "prefill passes"), ("decode", "decode steps")):
+        fig, ax = plots.new_figure(f"Isolation: collective latency CDF, {title} (AllToAll per layer)",
+                                   "collective latency (emulated ms)", "share of collectives")
+        for c in conds:
+            _cdf(ax, [r["s"] for r in collective_rows(run.passes(c), run.steps(c)) if r["role"] == role], c, 1e3 / k)
+        ax.set_xscale("log")
+        pngs.append(plots.finish(fig, ax, out / f"isolation_collective_cdf_{role}.png",
+                                 "Each condition's per-layer collectives of every engine; QoS on should sit on idle, "
+                                 "QoS off to the right. Emulated ms = testbed ms / dilation.", ncol=1))
+    for metric, key, unit in (("TTFT", "ttft", "s"), ("TPOT", "tpot", "s")):
+        fig, ax = plots.new_figure(f"Isolation: {metric} CDF", f"{metric} (emulated {unit})", "share of requests")
+        for c in conds:
+            _cdf(ax, [r[f"{key}_s"] for r in run.records(c) if r.get(f"{key}_s") is not None], c, 1.0)
+        pngs.append(plots.finish(fig, ax, out / f"isolation_{key}_cdf.png",
+                                 "Every request of the workload in each condition (oracle requests: no KV of their own).",
+                                 ncol=1))
+    fig, ax = plots.new_figure("Isolation: forward-pass time CDF (prefill passes)", "pass time (emulated s)",
+                               "share of passes")
+    for c in conds:
+        _cdf(ax, [p["t_end"] - p["t_start"] for p in run.passes(c)], c, 1 / k)
+    pngs.append(plots.finish(fig, ax, out / "isolation_pass_cdf.png",
+                             "A pass is its layers' compute windows plus the collective each layer waits for.", ncol=1))
+    # time series: every collective's latency over the condition's time, and the kv load's rate
+    fig, ax = plots.new_figure("Isolation: collective latency over time", "time since the condition's start (emulated s)",
+                               "collective latency (emulated ms)")
+    for c in conds:
+        rows = collective_rows(run.passes(c), run.steps(c))
+        if rows:
+            t0 = min(r["t"] for r in rows)
+            ax.scatter([(r["t"] - t0) / k for r in rows], [r["s"] * 1e3 / k for r in rows], s=3, alpha=0.5,
+                       color=COLORS[c], label=LABELS[c])
+    ax.set_yscale("log")
+    pngs.append(plots.finish(fig, ax, out / "isolation_collective_series.png",
+                             "Each dot is one layer's AllToAll (prefill and decode). Time axes start at each condition's "
+                             "first collective.", ncol=1))
+    fig, ax = plots.new_figure("Isolation: what the CNICs received over time", "time since the condition's start (emulated s)",
+                               "CNIC receive rate, all engines (Mbit/s, testbed)")
+    for c in conds:
+        xs, ys = _rx_rate(run.links(c), k)
+        if xs:
+            ax.plot(xs, ys, color=COLORS[c], label=LABELS[c], lw=1)
+    pngs.append(plots.finish(fig, ax, out / "isolation_cnic_series.png",
+                             "Sum over every engine's CNIC of the bytes it received per 0.25 s sample (interface counters): "
+                             "the kv load plus the collectives.", ncol=1))
+    return pngs
+
+
+def _rx_rate(samples: list[dict], k: float) -> tuple[list[float], list[float]]:
+    if len(samples) < 2:
+        return [], []
+    tot = [sum(v[0] for n, v in s["nics"].items() if n.endswith("/cnic")) for s in samples]
+    ts = [s["t"] for s in samples]
+    xs, ys = [], []
+    for i in range(1, len(samples)):
+        dt = ts[i] - ts[i - 1]
+        if dt > 0:
+            xs.append((ts[i] - ts[0]) / k)
+            ys.append((tot[i] - tot[i - 1]) * 8 / dt / 1e6)
+    return xs, ys
+
+
+# --------------------------------------------------------------------------- reproduce
+
+
+def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
+    cfg = config(quick)
+    run = runs.get(cfg.key)
+    if run is None and len(runs) == 1:
+        run = next(iter(runs.values()))
+    nums = {c: condition_numbers(run, c) for c in CONDITIONS if run is not None and run.has(c)}
+    chk = checks(nums)
+    p99 = {c: _get(nums, c, "collective", "p99") for c in CONDITIONS}
+    p99_tb = {c: ((nums.get(c) or {}).get("collective") or {}).get("testbed_s", {}).get("p99") for c in CONDITIONS}
+    over = {c: ratio(p99[c], p99["idle"]) for c in ("qos_on", "qos_off")}
+    kv = chk["kv_throughput"]["on_over_off"]
+    data = {
+        "collective_p99_s": p99, "collective_p99_testbed_s": p99_tb,
+        "collective_p50_s": {c: _get(nums, c, "collective", "p50") for c in CONDITIONS},
+        "p99_over_idle": over, "kv_throughput_on_over_off": kv,
+        "model_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("model") for c in CONDITIONS},
+        "kv_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("kv") for c in CONDITIONS},
+        "checks": chk, "conditions": nums, "dilation": run.dilation if run else None,
+        "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN},
+    }
+    heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms)", p99[c] * 1e3 if p99[c] is not None else None)
+             for c in CONDITIONS]
+    heads += [Headline("collective p99 with QoS on / idle (x; issue: <= 1.1)", over["qos_on"], None, 1.0),
+              Headline("collective p99 with QoS off / idle (x; issue: >= 2)", over["qos_off"]),
+              Headline("kv load throughput, QoS on / off (x; issue: >= 0.9)", kv, None, 1.0)]
+    for metric in ("ttft_s", "tpot_s"):
+        c = chk[f"{metric}_p99"]
+        heads += [Headline(f"{metric[:4].upper()} p99 with QoS on / idle (x)", c["qos_on_over_idle"], None, 1.0),
+                  Headline(f"{metric[:4].upper()} p99 with QoS off / idle (x)", c["qos_off_over_idle"])]
+    notes = _notes(nums, chk)
+    used = [UsedRun(cfg.key, run, tuple(nums))] if run is not None else []
+    pngs = render(run, nums, out) if run is not None else []
+    return Result(ID, TITLE, heads, pngs, used, data=data, notes=notes, scale_down=plan(quick).scale_down,
+                  sections=_table(nums))
+
+
+def _notes(nums: dict, chk: dict) -> list[str]:
+    out = ["The paper gives no number for this experiment (it argues for virtual lanes without measuring QoS off); "
+           "the columns 'paper' are empty and the thresholds are the issue's."]
+    c = chk["collective_p99"]
+    verdicts = [("QoS on keeps collective p99 within 1.1x idle", c["qos_on_ok"]),
+                ("QoS off makes collective p99 at least 2x idle", c["qos_off_ok"]),
+                ("kv throughput with QoS on is at least 0.9 of QoS off", chk["kv_throughput"]["ok"])]
+    for m in ("ttft_s_p99", "tpot_s_p99"):
+        verdicts.append((f"{m[:4].upper()} p99: QoS on within 1.1x idle", chk[m]["qos_on_ok"]))
+        verdicts.append((f"{m[:4].upper()} p99: QoS off at least 2x idle", chk[m]["qos_off_ok"]))
+    out += [f"{'MET' if ok else 'NOT MET'}: {what}" for what, ok in verdicts]
+    for cond, n in nums.items():
+        cb, coll = n["class_bytes"], n["collective_bytes"]
+        if cb.get("model") and coll:
+            out.append(f"{cond}: nftables counted {cb['model']:,} bytes sent with DSCP 46 (EF) for the collectives' "
+                       f"{coll:,} payload bytes (x{cb['model'] / coll:.3f}: IP and TCP headers, ACKs), "
+                       f"{cb.get('kv', 0):,} with DSCP 10 (AF11)")
+    return out
+
+
+def _table(nums: dict) -> list[str]:
+    def ms(d: dict | None, p: str) -> str:
+        v = (d or {}).get(p)
+        return "—" if v is None else f"{v * 1e3:.2f}"
+
+    rows = ["## Per condition (emulated; collective and pass times in ms, TTFT/TPOT in ms)", "",
+            "| condition | verdict | collective p50 | p99 | prefill coll. p99 | decode coll. p99 | prefill pass p50 | p99 "
+            "| decode step p50 | TTFT p50 | p99 | TPOT p50 | p99 | kv load (Mbit/s here) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c, n in nums.items():
+        kv = n.get("kv_bytes_per_s")
+        rows.append(f"| {LABELS[c]} | {'FAITHFUL' if n['faithful'] else 'UNFAITHFUL'} | {ms(n['collective'], 'p50')} | "
+                    f"{ms(n['collective'], 'p99')} | {ms(n['collective_prefill'], 'p99')} | "
+                    f"{ms(n['collective_decode'], 'p99')} | {ms(n['prefill_pass'], 'p50')} | {ms(n['prefill_pass'], 'p99')} | "
+                    f"{ms(n['decode_step'], 'p50')} | {ms(n['ttft_s'], 'p50')} | {ms(n['ttft_s'], 'p99')} | "
+                    f"{ms(n['tpot_s'], 'p50')} | {ms(n['tpot_s'], 'p99')} | "
+                    f"{'—' if kv is None else f'{kv * 8 / 1e6:.0f}'} |")
+    bad = [(c, n["unfaithful_reasons"]) for c, n in nums.items() if not n["faithful"]]
+    if bad:
+        rows += ["", "Unfaithful conditions:"] + [f"- {c}: " + "; ".join(r) for c, r in bad]
+    return rows

@@ -1,0 +1,80 @@
+"""`dualpath reproduce isolation`'s analysis on a hand-built run folder with known answers (no root)."""
+import json
+
+import pytest
+
+from testbed.reproduce import reproduce_id
+from testbed.reproduce import isolation as iso
+from tests.reproduce_helpers import RunFolder, is_valid_png, plan_json
+
+K = 20.0
+
+
+def _logs(n: int, s: float, tokens: int, jitter: float = 0.0) -> list[dict]:
+    return [{"t": i * 0.1, "s": s * (1 + jitter * (i % 10) / 10), "tokens": tokens, "sent": 1000 * tokens,
+             "received": 2000 * tokens} for i in range(n)]
+
+
+def _build(tmp_path, slow_off: float = 5.0, on: float = 1.02, kv_on: float = 0.97, faithful: bool = True):
+    cfg = iso.config(True)
+    f = RunFolder(tmp_path / "run", dilation=K, topology=iso.TOPOLOGY)
+    factor = {"idle": 1.0, "qos_on": on, "qos_off": slow_off}
+    for cond in iso.CONDITIONS:
+        x = factor[cond]
+        passes = [{"pe": f"p{j % 2}", "t_start": 10.0 * j, "t_end": 10.0 * j + 8 * (0.1 + 0.01 * x),
+                   "timing": {"collective_log": _logs(8, 0.01 * x, 100, 0.1)}} for j in range(30)]
+        steps = [{"de": f"d{j % 2}", "t_start": 5.0 * j, "t_end": 5.0 * j + 0.5 + 8 * 0.001 * x,
+                  "collective_log": _logs(8, 0.001 * x, 8, 0.1)} for j in range(30)]
+        records = [{"request": f"r{i}", "ttft_s": 1.0 * (0.5 + 0.5 * x), "tpot_s": 0.03 * (0.6 + 0.4 * x)}
+                   for i in range(20)]
+        f.mode(cond, faithful=faithful or cond != "qos_off", passes=passes, records=records,
+               links=[{"t": t, "cpu_busy": 0.5, "nics": {"dpt-p0e0/cnic": [t * 1.2e8, 0]}} for t in range(10)])
+        f.rows["steps"] += [{"mode": cond, **s} for s in steps]
+        m = f.summary["modes"][cond]
+        m["ttft_s"] = {"p50": 0.5 + 0.5 * x, "p90": 0.6 + 0.5 * x, "p99": 0.7 + 0.5 * x}
+        m["tpot_s"] = {"p50": 0.03 * (0.6 + 0.4 * x), "p90": 0.03, "p99": 0.031 * (0.6 + 0.4 * x)}
+        m["collectives"] = {"sent_bytes": 240 * 100_000, "received_bytes": 240 * 200_000}
+        m["isolation"] = {"qos": cond != "qos_off", "kv_load": cond != "idle",
+                          "kv_bytes_per_s": None if cond == "idle" else 1.2e8 * (kv_on if cond == "qos_on" else 1.0),
+                          "class_bytes": {"model": 74_000_000, "kv": 0 if cond == "idle" else 9_000_000_000},
+                          "cnic_rx_share_of_rate": {"dpt-p0e0": 0.97}}
+    f.write(plan=plan_json(cfg))
+    return f.path, cfg
+
+
+def test_the_summary_has_the_interface_the_checks_read(tmp_path):
+    run, _ = _build(tmp_path)
+    out, res = reproduce_id("isolation", quick=True, out_root=tmp_path / "out", run_folders=[run],
+                            progress=lambda _m: None, run_id="x")
+    s = json.loads((out / "summary.json").read_text())
+    assert s["faithful"] is True and s["complete"] is True
+    p99 = s["collective_p99_s"]
+    assert set(p99) == {"idle", "qos_on", "qos_off"}
+    # the tail is the prefill collectives', 0.01 .. 0.0107 testbed s; emulated: / K
+    assert p99["idle"] == pytest.approx(0.0107 / K, rel=1e-3)
+    assert s["p99_over_idle"]["qos_on"] == pytest.approx(1.02, rel=1e-3)
+    assert s["p99_over_idle"]["qos_off"] == pytest.approx(5.0, rel=1e-3)
+    assert s["kv_throughput_on_over_off"] == pytest.approx(0.97)
+    assert s["model_class_bytes"] == {"idle": 74_000_000, "qos_on": 74_000_000, "qos_off": 74_000_000}
+    assert s["kv_class_bytes"]["qos_off"] == 9_000_000_000 and s["kv_class_bytes"]["idle"] == 0
+    chk = s["checks"]
+    assert chk["collective_p99"]["qos_on_ok"] and chk["collective_p99"]["qos_off_ok"] and chk["kv_throughput"]["ok"]
+    assert chk["ttft_s_p99"]["qos_off_over_idle"] == pytest.approx((0.7 + 2.5) / 1.2)
+    for p in s["pngs"]:
+        assert is_valid_png(out / p), p
+    assert len(s["pngs"]) == 7
+    report = (out / "report.md").read_text()
+    assert "MET: QoS on keeps collective p99 within 1.1x idle" in report and "| KV load, QoS off |" in report
+
+
+def test_a_shortfall_is_reported_not_hidden(tmp_path):
+    run, _ = _build(tmp_path, slow_off=1.5, on=1.3, kv_on=0.8, faithful=False)
+    out, res = reproduce_id("isolation", quick=True, out_root=tmp_path / "out", run_folders=[run],
+                            progress=lambda _m: None, run_id="x")
+    s = json.loads((out / "summary.json").read_text())
+    assert s["faithful"] is False
+    chk = s["checks"]
+    assert not chk["collective_p99"]["qos_on_ok"] and not chk["collective_p99"]["qos_off_ok"]
+    assert not chk["kv_throughput"]["ok"] and not chk["all_faithful"]
+    report = (out / "report.md").read_text()
+    assert "NOT MET: QoS on keeps collective p99 within 1.1x idle" in report and "NOT FAITHFUL" in report
