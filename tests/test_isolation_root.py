@@ -54,7 +54,9 @@ def _htb(fab: Fabric, eng: str, qos: bool) -> dict[str, int]:
     return {tc.name: got.get(class_for(qos, tc), 0) for tc in (MODEL, KV)}
 
 
-@pytest.fixture(scope="module")
+# class scope: the fabric must be down before the end-to-end test below, whose no_leftovers would
+# otherwise clean it away underneath its owner (mininet's stop then waits on dead shells forever)
+@pytest.fixture(scope="class")
 def fabric():
     from testbed.cleanup import clean, find_leftovers
 
@@ -74,33 +76,34 @@ def fabric():
     assert find_leftovers().empty()
 
 
-@pytest.mark.parametrize("qos", [True, False])
-def test_collective_bytes_are_in_the_model_class_beside_a_kv_load(fabric, qos):
-    fab, a, b = fabric
-    fab.apply_shaping(qos)
-    with KvLoad(fab, [fab.endpoint(a), fab.endpoint(b)]) as load:
-        time.sleep(1.0)
-        h0 = {e: _htb(fab, e, qos) for e in (a, b)}
-        n0 = dscp_counters(fab)
-        res = _collectives(fab, a, b)
-        n1 = dscp_counters(fab)
-        h1 = {e: _htb(fab, e, qos) for e in (a, b)}
-        assert load.alive() == [a, b]
-    fab.apply_shaping(True)
-    assert res["sent"] == ROUNDS * round(TOKENS * 2733.0) and res["received"] == ROUNDS * round(TOKENS * 5301.0)
-    nft = {e: {c: n1[e][c][0] - n0[e][c][0] for c in ("model", "kv")} for e in (a, b)}
-    # nftables, by the DS field as each namespace sent it: the dispatch from a, the combine from b
-    assert res["sent"] <= nft[a]["model"] < 1.05 * res["sent"] + 64_000
-    assert res["received"] <= nft[b]["model"] < 1.05 * res["received"] + 64_000
-    # the kv load's bytes came from the host namespaces, marked AF11 by port; the engines sent
-    # only its ACKs in the kv class
-    host = fab.endpoint(a).node
-    assert nft[a]["kv"] < 0.05 * (n1[host]["kv"][0] - n0[host]["kv"][0])
-    assert n1[host]["kv"][0] - n0[host]["kv"][0] > 10 << 20
-    if qos:  # HTB classified the same bytes the same way on the receiving CNICs
-        got = {e: {c: h1[e][c] - h0[e][c] for c in ("model", "kv")} for e in (a, b)}
-        assert got[b]["model"] >= res["sent"] and got[a]["model"] >= res["received"]
-        assert got[b]["kv"] > 10 << 20 and got[a]["kv"] > 10 << 20  # the load, in the kv class
+class TestOnTheWire:
+    @pytest.mark.parametrize("qos", [True, False])
+    def test_collective_bytes_are_in_the_model_class_beside_a_kv_load(self, fabric, qos):
+        fab, a, b = fabric
+        fab.apply_shaping(qos)
+        with KvLoad(fab, [fab.endpoint(a), fab.endpoint(b)]) as load:
+            time.sleep(1.0)
+            h0 = {e: _htb(fab, e, qos) for e in (a, b)}
+            n0 = dscp_counters(fab)
+            res = _collectives(fab, a, b)
+            n1 = dscp_counters(fab)
+            h1 = {e: _htb(fab, e, qos) for e in (a, b)}
+            assert load.alive() == [a, b]
+        fab.apply_shaping(True)
+        assert res["sent"] == ROUNDS * round(TOKENS * 2733.0) and res["received"] == ROUNDS * round(TOKENS * 5301.0)
+        nft = {e: {c: n1[e][c][0] - n0[e][c][0] for c in ("model", "kv")} for e in (a, b)}
+        # nftables, by the DS field as each namespace sent it: the dispatch from a, the combine from b
+        assert res["sent"] <= nft[a]["model"] < 1.05 * res["sent"] + 64_000
+        assert res["received"] <= nft[b]["model"] < 1.05 * res["received"] + 64_000
+        # the kv load's bytes came from the host namespaces, marked AF11 by port; the engines sent
+        # only its ACKs in the kv class
+        host = fab.endpoint(a).node
+        assert nft[a]["kv"] < 0.05 * (n1[host]["kv"][0] - n0[host]["kv"][0])
+        assert n1[host]["kv"][0] - n0[host]["kv"][0] > 10 << 20
+        if qos:  # HTB classified the same bytes the same way on the receiving CNICs
+            got = {e: {c: h1[e][c] - h0[e][c] for c in ("model", "kv")} for e in (a, b)}
+            assert got[b]["model"] >= res["sent"] and got[a]["model"] >= res["received"]
+            assert got[b]["kv"] > 10 << 20 and got[a]["kv"] > 10 << 20  # the load, in the kv class
 
 
 def test_engines_run_one_collective_per_layer_of_every_pass_and_step(tmp_path, no_leftovers):
