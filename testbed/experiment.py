@@ -173,7 +173,9 @@ def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock
 
 
 def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
-    path = "oracle" if mode == "oracle" else r.path
+    # "none": the request moved no KV (an oracle plan), whatever its mode is named (the isolation
+    # experiment's conditions are oracle passes named idle, qos_on, qos_off)
+    path = "oracle" if mode == "oracle" or r.path == "none" else r.path
     return RequestBytes(path, r.hit_bytes, r.miss_bytes, r.writeback_bytes, r.pe_node, r.de_node,
                         pe_engine=r.pe, de_engine=r.de, h_pe=r.pe_hit_bytes if path == "split" else None,
                         R=r.chunk_read_bytes, Rd=r.reread_bytes)

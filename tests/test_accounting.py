@@ -183,3 +183,15 @@ def test_rereads_add_their_bytes_on_their_own_hops():
         more = request_bytes(RequestBytes(path, H, M, W, "p0", "d0", h_pe=h_pe, R=R, Rd=Rd))
         diff = {k: more[k] - base[k] for k in base if more[k] != base[k]}
         assert diff == {(Nic.DE_HOST, "tx"): R + Rd, (Nic.PE_CNIC, "rx"): R, (Nic.DE_CNIC, "rx"): Rd}
+
+
+def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named():
+    from testbed.conductor import RequestRecord
+    from testbed.experiment import interfaces_of
+
+    # the isolation experiment's conditions are oracle passes named after the condition
+    r = RequestRecord("r0", 0, 0, "qos_on", "none", pe="dpt-p0e0", de="dpt-d0e0", pe_node="dpt-p0", de_node="dpt-d0",
+                      hit_bytes=H, miss_bytes=M, writeback_bytes=W)
+    assert interfaces_of(r, "qos_on") == {}
+    assert interfaces_of(RequestRecord("r1", 0, 0, "basic", "pe", pe="dpt-p0e0", de="dpt-d0e0", pe_node="dpt-p0",
+                                       de_node="dpt-d0", hit_bytes=H, miss_bytes=M), "basic")
