@@ -1,7 +1,7 @@
 # The two commands of the README. Each installs what it needs first.
 PY := .venv/bin/python
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean vm-image vm-test vm-shell vm-guest-test
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -14,3 +14,17 @@ test: setup
 
 clean: setup
 	@$(PY) -m testbed.cli clean
+
+# Soft-RoCE (rdma_rxe) in a VM built from Debian packages (scripts/vm.sh; README "Soft-RoCE").
+vm-image:
+	@bash scripts/vm.sh build
+
+vm-test:
+	@bash scripts/vm/vm-test.sh
+
+vm-shell: vm-image
+	@bash scripts/vm.sh shell
+
+# Inside a guest that already has the kernel and the venv (e.g. `vagrant ssh`, then sudo make ...).
+vm-guest-test: setup
+	@$(PY) scripts/vm/guest_test.py

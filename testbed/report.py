@@ -139,7 +139,38 @@ def _balance_lines(summary: dict) -> list[str]:
     return lines
 
 
+def _rdma_bench_lines(r: dict) -> list[str]:
+    def f(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"NIXL over UCX rc_verbs on Soft-RoCE (rxe, RDMA MTU {r['rdma_mtu']}) vs perftest on the same "
+             f"link ({r['link']}; rxe {', '.join(r['rxe'].values())}), medians of interleaved rounds"]
+    for k, what in (("unshaped", "unshaped"), ("shaped", f"shaped at {r['shaped_rate_bps'] / 1e6:g} Mbit/s")):
+        x = r[k]
+        lines.append(f"  {what}: READ {f(x['READ_median_GBps'])} GB/s = {f(x['READ_over_perftest_median'], '.2f')} of "
+                     f"ib_read_bw ({f(x['perftest_READ_median_GBps'])}), WRITE {f(x['WRITE_median_GBps'])} GB/s = "
+                     f"{f(x['WRITE_over_perftest_median'], '.2f')} of ib_write_bw ({f(x['perftest_WRITE_median_GBps'])}); "
+                     f"rxe sent_pkts +{x['rxe_sent_pkts']}, proven {x['rdma_proven']}")
+        cpu = x.get("machine_cpu_s_per_GB")
+        if cpu:
+            lines.append(f"    machine CPU per GB moved: user {cpu.get('user')} s, system {cpu.get('system')} s, "
+                         f"softirq {cpu.get('softirq')} s (busy {cpu.get('busy_share')})")
+    for s in r["unshaped"].get("submission", []):
+        lines.append(f"  posting {s['ndesc']} x {s['desc_len'] // 1024} KiB {s['op']}: "
+                     f"{s['batch']['post_us_per_desc_median']:.1f} us/descriptor batched (1 request) vs "
+                     f"{s['each']['post_us_per_desc_median']:.1f} one by one ({s['post_ratio_each_over_batch']:.1f}x); "
+                     f"to completion {s['batch']['total_us_per_desc_median']:.1f} vs {s['each']['total_us_per_desc_median']:.1f}")
+    c = r["class_bytes_into_initiator"]
+    lines.append(f"  HTB classes into the initiator's CNIC during a READ/WRITE check over rxe: kv {c['kv']} bytes, "
+                 f"model {c['model']} bytes")
+    lines.append(f"  RDMA {'PROVEN' if r['rdma_proven'] else 'NOT PROVEN'} by the rxe hw_counters "
+                 f"(sent_pkts +{r['rxe_sent_pkts']} over the benchmark)" + (f": {r['error']}" if r.get("error") else ""))
+    return lines
+
+
 def bench_lines(what: str, r: dict) -> list[str]:
+    if what == "transport" and r.get("transport") == "rdma":
+        return _rdma_bench_lines(r)
     if what == "transport":
         lines = [f"NIXL over UCX/TCP vs iperf3 on the same link ({r['link']}), medians of interleaved rounds"]
         for k in ("unshaped", "shaped"):

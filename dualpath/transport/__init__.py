@@ -19,6 +19,7 @@ from .agent import (
 )
 from .env import (
     MODEL_PORT_RANGE,
+    RdmaNotProvenError,
     RdmaUnavailableError,
     TransportError,
     UcxEnvError,
@@ -30,7 +31,7 @@ from .multiclass import MultiClassAgent, class_agent_name, kv_ports_reserved
 
 __all__ = [
     "Agent", "Region", "Transfer", "TransferStats", "TransferFailed", "TransferTimeout",
-    "TransportError", "UcxEnvError", "RdmaUnavailableError", "DEFAULT_TIMEOUT_S",
+    "TransportError", "UcxEnvError", "RdmaUnavailableError", "RdmaNotProvenError", "DEFAULT_TIMEOUT_S",
     "MODEL_PORT_RANGE", "as_descs", "build_ucx_env", "contiguous_descs", "rdma_devices",
     "require_rdma", "MultiClassAgent", "class_agent_name", "kv_ports_reserved",
 ]

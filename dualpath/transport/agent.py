@@ -196,6 +196,9 @@ class Transfer:
             nx.send_notif(self.peer, self._notif)
         self._release()
         self.done = True
+        moved = getattr(self.agent, "moved", None)
+        if moved is not None:
+            moved[self.op] = moved.get(self.op, 0) + self.nbytes
         tc = getattr(self.agent, "traffic_class", None)
         self.stats = TransferStats(self.op, self.peer, self.layer, self.ndesc, self.nbytes,
                                    len(self.handles), self.t_posted - self.t0, t1 - self.t0,
@@ -305,7 +308,8 @@ class Agent(NotificationInbox):
         iface: the network interface all its bytes must use (UCX_NET_DEVICES).
         traffic_class: "kv" or "model" (chooses the listening port range, hence the DSCP mark
             of every byte this agent moves; for a class per transfer see MultiClassAgent).
-        transport: "tcp" or "rdma". "rdma" without an RDMA device raises RdmaUnavailableError.
+        transport: "tcp" or "rdma". "rdma" without an RDMA device on `iface`, or in a process
+            without the system libibverbs preloaded, raises RdmaUnavailableError (rdma.py).
         port_range: listening sub-range inside the class range (default: the whole class range).
         tuning: extra UCX_* knobs (UCX_TCP_SNDBUF, ...); cannot override the mandatory ones.
         progress_thread: NIXL's progress thread. Needed by an agent that is the passive side
@@ -331,7 +335,9 @@ class Agent(NotificationInbox):
         self.transport = transport
         self.timeout_s = timeout_s
         self.poll_sleep_s = poll_sleep_s
-        dev = require_rdma(rdma_device) if transport == "rdma" else None
+        dev = require_rdma(rdma_device, iface) if transport == "rdma" else None
+        self.rdma_device = dev
+        self.moved: dict[str, int] = {"READ": 0, "WRITE": 0}  # payload bytes of completed transfers
         with _env_lock:
             self.ucx_env = build_ucx_env(iface, self.traffic_class.name, transport,
                                          port_range=port_range, rdma_device=dev,

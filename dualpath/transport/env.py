@@ -46,7 +46,12 @@ class UcxEnvError(TransportError):
 
 
 class RdmaUnavailableError(TransportError):
-    """RDMA was asked for but the kernel exposes no RDMA device (never falls back to TCP)."""
+    """RDMA was asked for but cannot be used: no device, or the system libibverbs is not
+    preloaded (never falls back to TCP)."""
+
+
+class RdmaNotProvenError(TransportError):
+    """RDMA was asked for, but the rxe devices' counters show the KV bytes did not cross it."""
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -181,11 +186,11 @@ def build_ucx_env(iface: str, traffic_class: str = "kv", transport: str = "tcp",
 
 def rdma_devices() -> list[str]:
     """RDMA devices the kernel exposes: /sys/class/infiniband, else pyverbs. [] when none."""
-    sysfs = Path("/sys/class/infiniband")
-    if sysfs.is_dir():
-        devs = sorted(p.name for p in sysfs.iterdir())
-        if devs:
-            return devs
+    from . import rdma
+
+    devs = rdma.devices()
+    if devs:
+        return devs
     try:
         from pyverbs.device import get_device_list  # type: ignore
     except Exception:
@@ -197,16 +202,14 @@ def rdma_devices() -> list[str]:
         return []
 
 
-def require_rdma(device: str | None = None) -> str:
-    """Return the RDMA device to use or raise RdmaUnavailableError. Never falls back to TCP."""
-    devs = rdma_devices()
-    if not devs:
+def require_rdma(device: str | None = None, iface: str | None = None) -> str:
+    """Return the RDMA device to use (the one on `iface`, if given) or raise
+    RdmaUnavailableError naming every cause (rdma.problems). Never falls back to TCP."""
+    from . import rdma
+
+    chosen, why = rdma.problems(iface, device)
+    if why or chosen is None:
         raise RdmaUnavailableError(
-            "transport 'rdma' was requested but this kernel has no RDMA device "
-            "(/sys/class/infiniband is empty or missing and pyverbs lists none); "
-            "the testbed does not fall back to TCP: ask for transport='tcp' explicitly")
-    if device is not None:
-        if device not in devs:
-            raise RdmaUnavailableError(f"RDMA device {device!r} not found; have {devs}")
-        return device
-    return devs[0]
+            "transport 'rdma' was requested but cannot be used here: " + "; ".join(why or ["no device"])
+            + ". The testbed does not fall back to TCP: ask for transport='tcp' explicitly")
+    return chosen

@@ -167,7 +167,8 @@ def run_target(args) -> dict:
                 if cmd == "hello":
                     peer = agent.add_peer(msg["md"])
                     rep = {"md": agent.metadata(), "transport_in_use": agent.transport_in_use,
-                           "ucx_env": agent.ucx_env, "peer": peer, "size": args.size}
+                           "ucx_env": agent.ucx_env, "peer": peer, "size": args.size,
+                           "rdma_device": getattr(agent, "rdma_device", None)}
                     if isinstance(agent, MultiClassAgent):
                         rep["peer_classes"] = list(agent.peer_classes(peer))
                 elif cmd == "digest":
@@ -475,6 +476,46 @@ def run_bench(agent: Agent, ctl: Control, peer: str, args) -> dict:
     return out
 
 
+def _proc_stat() -> list[int]:
+    """The machine's CPU time so far (USER_HZ): user, nice, system, idle, iowait, irq, softirq, ..."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def _cpu_where(a: list[int], b: list[int], gb: float) -> dict:
+    """Where the machine's CPU went between two /proc/stat readings, in CPU seconds per GB
+    moved. With RDMA over rxe the protocol runs in the kernel (system and softirq), not in the
+    processes, so the processes' own rusage misses most of it."""
+    hz = os.sysconf("SC_CLK_TCK")
+    d = [(y - x) / hz for x, y in zip(a, b)]
+    names = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"]
+    out = {n: round(v / gb, 3) for n, v in zip(names, d) if gb > 0}
+    busy = sum(d) - d[3] - d[4]
+    out["busy_share"] = round(busy / sum(d), 3) if sum(d) else None
+    return out
+
+
+def _rdma_mtu(iface: str) -> int:
+    from dualpath.transport.rdma import rxe_mtu
+
+    try:
+        return rxe_mtu(int(open(f"/sys/class/net/{iface}/mtu").read()))
+    except (OSError, ValueError):
+        return 4096
+
+
+def rdma_proof(agent: Agent, hello: dict, before, iface: str) -> dict:
+    """Proof of transport: the KV bytes each side sent (WRITE: this initiator's device, READ:
+    the target's) against the rxe devices' hw_counters (dualpath.transport.rdma.prove)."""
+    from dualpath.transport.rdma import counters_delta, prove, read_counters
+
+    mine, theirs = agent.rdma_device, hello.get("rdma_device")
+    sent = {mine: agent.moved.get("WRITE", 0)}
+    if theirs:
+        sent[theirs] = sent.get(theirs, 0) + agent.moved.get("READ", 0)
+    return prove(counters_delta(read_counters(), before), sent, _rdma_mtu(iface))
+
+
 def run_initiator(args) -> dict:
     agent, ctl, peer, local, hello = _connect(args)
     out: dict[str, Any] = {
@@ -482,6 +523,13 @@ def run_initiator(args) -> dict:
         "transport_in_use": agent.transport_in_use, "peer_transport_in_use": hello["transport_in_use"],
         "ucx_env": agent.ucx_env, "size": args.size,
     }
+    rdma0 = None
+    if args.transport == "rdma":
+        from dualpath.transport.rdma import read_counters
+
+        rdma0 = read_counters()
+        out["rdma_devices"] = {"initiator": agent.rdma_device, "target": hello.get("rdma_device")}
+    stat0 = _proc_stat()
     try:
         if isinstance(agent, MultiClassAgent):
             out["classes"] = list(agent.classes)
@@ -492,6 +540,11 @@ def run_initiator(args) -> dict:
             out["check"] = run_class_check(agent, ctl, peer, local, args.size)
         else:
             out.update(run_bench(agent, ctl, peer, args))
+        moved = sum(getattr(agent, "moved", {}).values())
+        out["bytes_moved"] = dict(getattr(agent, "moved", {}))
+        out["machine_cpu_s_per_GB"] = _cpu_where(stat0, _proc_stat(), moved / 1e9)
+        if rdma0 is not None:
+            out["rdma"] = rdma_proof(agent, hello, rdma0, args.iface)
     finally:
         _bye(ctl)
         ctl.close()
@@ -550,11 +603,17 @@ def main(argv: list[str] | None = None) -> int:
     except TransportError as e:
         print(json.dumps({"role": args.role, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return 2
+    if "rdma" in res and not res["rdma"]["rdma_proven"]:  # proof of transport, not configuration
+        from dualpath.transport.rdma import not_proven_message
+
+        res["error"] = f"RdmaNotProvenError: {not_proven_message(res['rdma'], 'the transport benchmark')}"
     text = json.dumps(res, default=lambda b: b.decode(errors="replace") if isinstance(b, bytes) else str(b))
     print(text, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if "error" in res:
+        return 3
     if args.mode in ("check", "classes") and args.role == "initiator" and not res["check"]["ok"]:
         return 1
     return 0
@@ -562,4 +621,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    sys.exit(main())
+    rc = main()
+    if "--transport" in sys.argv and "rdma" in sys.argv:
+        # with UCX's ib module loaded, NIXL's bundled libnl can crash the process in _dl_fini
+        # after the result is out; the result, not the teardown, is the exit status
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

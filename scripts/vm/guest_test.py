@@ -1,0 +1,177 @@
+"""Inside the Soft-RoCE VM (a kernel with rdma_rxe), as root: the rxe smoke, the transport
+benchmark over rxe and a short end-to-end run over rxe; results/vm/<run-id>/summary.json.
+
+    python scripts/vm/guest_test.py [--run-id ID] [--trajectories N] [--skip-e2e]
+
+`make vm-test` runs it in the QEMU VM (scripts/vm.sh run); in a Vagrant guest run
+`sudo make vm-guest-test`. Each step is the CLI a user would type, run as a child process:
+
+1. smoke: `dualpath check --rdma` (an rxe device per engine and host namespace, one byte-exact
+   NIXL READ and WRITE over them proven by their hw_counters, and the same check without the
+   system libibverbs preloaded, which the counters must catch);
+2. bench: `dualpath bench transport --transport rdma` (NIXL against perftest, shaped and not);
+3. e2e: `dualpath run topologies/1p1d-rxe.yaml --transport rdma` in every mode that moves KV
+   (compute: cpu, see the topology: under TCG the CPU is 5-9x slower than the emulated GPU clock
+   assumes, and correctness over RDMA is what this run is for).
+
+summary.json has rdma_proven (every step's rxe counters proved it), rxe_sent_pkts,
+read_over_perftest and write_over_perftest (shaped), and modes.<mode>.verification.all_match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "testbed.cli"]
+E2E_MODES = "basic,layerwise,dualpath-rr,dualpath,dualpath-split"  # every mode that moves KV
+
+
+def step(name: str, argv: list[str], log_dir: Path, timeout_s: float) -> tuple[int, float, str]:
+    print(f"== {name}: {' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    out: list[str] = []
+    with open(log_dir / f"{name}.log", "w") as log:
+        p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # reading blocks until the child closes its output: only a timer can enforce the limit
+        # (SIGTERM first: the CLI tears its namespaces down on it)
+        timer = threading.Timer(timeout_s, p.terminate)
+        timer.start()
+        assert p.stdout is not None
+        for line in p.stdout:
+            out.append(line)
+            log.write(line)
+            print(f"   {line}", end="", flush=True)
+        rc = p.wait()
+        if not timer.is_alive():
+            rc = 124
+            out.append(f"timed out after {timeout_s:.0f} s\n")
+            subprocess.run(CLI + ["clean"], cwd=REPO, capture_output=True)
+        timer.cancel()
+    wall = time.monotonic() - t0
+    print(f"== {name}: exit {rc} in {wall:.1f} s", flush=True)
+    return rc, wall, "".join(out)
+
+
+def newest(folder: Path) -> Path | None:
+    runs = sorted(p for p in folder.glob("*/summary.json"))
+    return runs[-1] if runs else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
+    ap.add_argument("--trajectories", type=int, default=2)
+    ap.add_argument("--topology", default="topologies/1p1d-rxe.yaml")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--bench-timeout", type=float, default=1500, help="seconds (the smoke gets 900)")
+    ap.add_argument("--e2e-timeout", type=float, default=3600, help="seconds")
+    args = ap.parse_args()
+    out = REPO / "results" / "vm" / args.run_id
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    uptime0 = float(Path("/proc/uptime").read_text().split()[0])
+    t_all = time.monotonic()
+    summary: dict = {"run_id": args.run_id, "kernel": platform.release(),
+                     "guest_uptime_at_start_s": uptime0, "cpus": os.cpu_count(),
+                     "command": "make vm-test (scripts/vm/guest_test.py)", "wall_s": {}, "steps": {}}
+    proven: list[bool] = []
+    sent = 0
+    failed = []
+    subprocess.run(CLI + ["clean"], cwd=REPO, capture_output=True)
+
+    def save() -> None:
+        """summary.json after every step: a VM stopped by its timeout keeps what was measured."""
+        summary["rdma_proven"] = bool(proven) and all(proven)
+        summary["rxe_sent_pkts"] = sent
+        summary["failed_steps"] = failed
+        summary["wall_s"]["total_in_guest"] = round(time.monotonic() - t_all, 1)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+    # 1. smoke
+    rc, wall, text = step("smoke", CLI + ["check", "--rdma", "--json", "--out", str(out / "check")], logs, 900)
+    summary["wall_s"]["smoke"] = round(wall, 1)
+    try:
+        rep = json.loads((out / "check" / "rdma.json").read_text())
+    except (OSError, ValueError):
+        rep = {"rdma_proven": False, "reason": text[-500:]}
+    summary["steps"]["smoke"] = {"exit": rc, "rdma_proven": rep.get("rdma_proven"), "reason": rep.get("reason"),
+                                 "rxe_sent_pkts": rep.get("rdma", {}).get("rxe_sent_pkts"),
+                                 "devices": rep.get("rdma", {}).get("devices"),
+                                 "class_bytes_into_initiator": rep.get("class_bytes_into_initiator"),
+                                 "fallback_control": rep.get("fallback_control")}
+    proven.append(bool(rep.get("rdma_proven")))
+    sent += rep.get("rdma", {}).get("rxe_sent_pkts") or 0
+    if rc:
+        failed.append("smoke")
+    save()
+
+    # 2. bench
+    if not args.skip_bench:
+        rc, wall, text = step("bench", CLI + ["bench", "transport", "--transport", "rdma", "--out",
+                                              str(out / "bench")], logs, args.bench_timeout)
+        summary["wall_s"]["bench"] = round(wall, 1)
+        p = newest(out / "bench" / "transport")
+        b = json.loads(p.read_text()) if p else {}
+        summary["steps"]["bench"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
+                                     **{k: b.get(k) for k in ("rdma_proven", "rxe_sent_pkts", "read_over_perftest",
+                                                              "write_over_perftest", "read_over_perftest_unshaped",
+                                                              "write_over_perftest_unshaped", "error",
+                                                              "class_bytes_into_initiator")}}
+        for leg in ("unshaped", "shaped"):
+            x = b.get(leg, {})
+            summary["steps"]["bench"][leg] = {k: x.get(k) for k in (
+                "READ_median_GBps", "WRITE_median_GBps", "perftest_READ_median_GBps", "perftest_WRITE_median_GBps",
+                "READ_over_perftest_all", "WRITE_over_perftest_all", "machine_cpu_s_per_GB", "rxe_sent_pkts")}
+        if b.get("unshaped", {}).get("submission"):
+            summary["steps"]["bench"]["submission"] = b["unshaped"]["submission"]
+        summary["read_over_perftest"] = b.get("read_over_perftest")
+        summary["write_over_perftest"] = b.get("write_over_perftest")
+        proven.append(bool(b.get("rdma_proven")))
+        sent += b.get("rxe_sent_pkts") or 0
+        if rc:
+            failed.append("bench")
+        save()
+
+    # 3. e2e
+    if not args.skip_e2e:
+        rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", E2E_MODES,
+                                            "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
+                              logs, args.e2e_timeout)
+        summary["wall_s"]["e2e"] = round(wall, 1)
+        p = newest(out / "e2e")
+        e = json.loads(p.read_text()) if p else {}
+        summary["steps"]["e2e"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
+                                   "topology": args.topology, "trajectories": args.trajectories,
+                                   "rdma": e.get("rdma"), "transport": e.get("transport"),
+                                   "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
+        summary["modes"] = {m: {"verification": v.get("verification"), "requests": v.get("requests"),
+                                "errors": v.get("errors"), "faithful": v.get("faithful"),
+                                "kv_bytes_vs_expected": {k: v["kv_bytes_vs_expected"][k] for k in ("nics", "within")},
+                                "nic_ratios": {r["nic"]: r["ratio"] for r in v["kv_bytes_vs_expected"]["per_nic"]},
+                                "control_bytes": v.get("control_bytes"),
+                                "rdma": {k: v.get("rdma", {}).get(k) for k in ("rdma_proven", "rxe_sent_pkts",
+                                                                               "rxe_rcvd_pkts", "kv_bytes")}}
+                            for m, v in e.get("modes", {}).items()}
+        proven.append(bool(e.get("rdma", {}).get("rdma_proven")))
+        sent += (e.get("rdma") or {}).get("rxe_sent_pkts") or 0
+        if rc:
+            failed.append("e2e")
+
+    save()
+    print(f"vm-test: rdma_proven {summary['rdma_proven']}, rxe_sent_pkts {sent}, read/write over perftest "
+          f"(shaped) {summary.get('read_over_perftest')}/{summary.get('write_over_perftest')}, "
+          f"failed steps {failed or 'none'}; {out.relative_to(REPO)}/summary.json", flush=True)
+    return 1 if failed or not summary["rdma_proven"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
