@@ -34,6 +34,11 @@ CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
 STORE_PORT = 7000
 
 
+# How long a node process may take to start (import torch, the model, NIXL). In the Soft-RoCE
+# VM (scripts/vm.sh sets DPT_IN_VM) guest CPU work runs 5-9x slower under QEMU TCG, and every
+# process imports torch at once on two vCPUs: 120 s was measured too short there.
+READY_TIMEOUT_S = float(os.environ.get("DPT_READY_TIMEOUT_S") or (600 if os.environ.get("DPT_IN_VM") else 120))
+
 class ProcessFailed(RuntimeError):
     pass
 
@@ -51,7 +56,8 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_ready(self, timeout_s: float = 120) -> str:
+    def wait_ready(self, timeout_s: float | None = None) -> str:
+        timeout_s = READY_TIMEOUT_S if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()

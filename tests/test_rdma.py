@@ -224,3 +224,20 @@ def test_vm_scripts_parse_and_share_one_provisioning_script():
 def test_vagrantfile_syntax():
     p = subprocess.run(["ruby", "-c", str(REPO / "Vagrantfile")], capture_output=True, text=True)
     assert p.returncode == 0 and "Syntax OK" in p.stdout, p.stderr
+
+
+def test_fallback_control_counts_only_a_failure_the_counters_saw(monkeypatch):
+    """The negative control of `check --rdma` is caught only when the rxe devices were read and
+    sent too few packets; counters that could not be read at all (measured in the VM, from
+    inside an engine's namespace) fail every run alike, and so tell nothing."""
+    import testbed.benches as benches
+    from testbed.rdma_preflight import _fallback_control
+
+    unread = rdma.prove({}, {"a": 8 << 20}, 4096)
+    silent = rdma.prove({"a": {"sent_pkts": 0}}, {"a": 8 << 20}, 4096)
+    assert "no hw_counters read" in unread["devices"][0]["why"]
+    for proof, caught in ((unread, False), (silent, True)):
+        res = {"rdma": proof, "check": {"ok": True}, "bytes_moved": {"WRITE": 8 << 20},
+               "error": "RdmaNotProvenError: " + rdma.not_proven_message(proof)}
+        monkeypatch.setattr(benches, "_transport_pair", lambda *a, res=res, **k: res)
+        assert _fallback_control(object(), progress=lambda m: None)["caught"] is caught

@@ -191,7 +191,7 @@ def prove(delta: Counters, kv_bytes_sent: Mapping[str, int], rdma_mtu: int | Map
             p.kv_class_pkts = int(kv_class_pkts[dev])
             p.roce_share = round(min(p.sent_pkts, p.kv_class_pkts) / p.kv_class_pkts, 4) if p.kv_class_pkts else None
         if dev not in delta:
-            p.why = "no such RDMA device"
+            p.why = "no hw_counters read for this device (no such device, or unreadable here)"
         elif nbytes < MIN_PROOF_BYTES:
             p.proven, p.why = True, f"under {MIN_PROOF_BYTES} KV bytes to send: nothing to prove"
         elif p.sent_pkts < p.min_pkts:

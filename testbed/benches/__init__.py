@@ -60,10 +60,15 @@ def _transport_pair(fab: Fabric, args: list[str], timeout_s: float, env: dict | 
     tgt, ini = fab.endpoint("d0e0"), fab.endpoint("p0e0")
     tn, inn = tgt.nic("cnic"), ini.nic("cnic")
     py = [sys.executable, "-m", "testbed.benches.transport_nixl"]
-    if env is None and "rdma" in args:
-        from dualpath.transport.rdma import preload_env
+    rdma = "rdma" in args
+    if rdma:
+        from dualpath.transport.rdma import counters_delta, not_proven_message, preload_env, prove, read_counters
 
-        env = preload_env()
+        if env is None:
+            env = preload_env()
+        # read here, in the testbed's own namespace: from inside an engine's the rxe
+        # hw_counters come back empty (measured in the VM), which would prove nothing
+        before = read_counters()
     target = subprocess.Popen(ns_argv(tgt.name, [*py, "--role", "target", "--iface", tn.dev, "--bind-ip", tn.ip,
                                                  "--max-time", str(int(timeout_s)), *args]),
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env)
@@ -80,7 +85,16 @@ def _transport_pair(fab: Fabric, args: list[str], timeout_s: float, env: dict | 
         except subprocess.TimeoutExpired:
             target.kill()
             target.wait()
-    return _json_tail(p.stdout)
+    res = _json_tail(p.stdout)
+    if rdma and "error" not in res:  # proof of transport, not configuration
+        moved = res.get("bytes_moved") or {}
+        # WRITE data leaves the initiator's device, READ data the target's
+        sent = {fab.rxe_of(inn): moved.get("WRITE", 0)}
+        sent[fab.rxe_of(tn)] = sent.get(fab.rxe_of(tn), 0) + moved.get("READ", 0)
+        res["rdma"] = prove(counters_delta(read_counters(), before), sent, fab.rdma_mtu())
+        if not res["rdma"]["rdma_proven"]:
+            res["error"] = f"RdmaNotProvenError: {not_proven_message(res['rdma'], 'the transport benchmark')}"
+    return res
 
 
 def _shape(fab: Fabric, nics: list[Nic], rate_bps: int) -> None:

@@ -495,27 +495,6 @@ def _cpu_where(a: list[int], b: list[int], gb: float) -> dict:
     return out
 
 
-def _rdma_mtu(iface: str) -> int:
-    from dualpath.transport.rdma import rxe_mtu
-
-    try:
-        return rxe_mtu(int(open(f"/sys/class/net/{iface}/mtu").read()))
-    except (OSError, ValueError):
-        return 4096
-
-
-def rdma_proof(agent: Agent, hello: dict, before, iface: str) -> dict:
-    """Proof of transport: the KV bytes each side sent (WRITE: this initiator's device, READ:
-    the target's) against the rxe devices' hw_counters (dualpath.transport.rdma.prove)."""
-    from dualpath.transport.rdma import counters_delta, prove, read_counters
-
-    mine, theirs = agent.rdma_device, hello.get("rdma_device")
-    sent = {mine: agent.moved.get("WRITE", 0)}
-    if theirs:
-        sent[theirs] = sent.get(theirs, 0) + agent.moved.get("READ", 0)
-    return prove(counters_delta(read_counters(), before), sent, _rdma_mtu(iface))
-
-
 def run_initiator(args) -> dict:
     agent, ctl, peer, local, hello = _connect(args)
     out: dict[str, Any] = {
@@ -523,11 +502,9 @@ def run_initiator(args) -> dict:
         "transport_in_use": agent.transport_in_use, "peer_transport_in_use": hello["transport_in_use"],
         "ucx_env": agent.ucx_env, "size": args.size,
     }
-    rdma0 = None
     if args.transport == "rdma":
-        from dualpath.transport.rdma import read_counters
-
-        rdma0 = read_counters()
+        # The proof itself is the harness's (testbed.benches._transport_pair): rxe hw_counters
+        # read from inside an engine's network namespace come back empty (measured in the VM).
         out["rdma_devices"] = {"initiator": agent.rdma_device, "target": hello.get("rdma_device")}
     stat0 = _proc_stat()
     try:
@@ -543,8 +520,6 @@ def run_initiator(args) -> dict:
         moved = sum(getattr(agent, "moved", {}).values())
         out["bytes_moved"] = dict(getattr(agent, "moved", {}))
         out["machine_cpu_s_per_GB"] = _cpu_where(stat0, _proc_stat(), moved / 1e9)
-        if rdma0 is not None:
-            out["rdma"] = rdma_proof(agent, hello, rdma0, args.iface)
     finally:
         _bye(ctl)
         ctl.close()
@@ -603,10 +578,6 @@ def main(argv: list[str] | None = None) -> int:
     except TransportError as e:
         print(json.dumps({"role": args.role, "error": f"{type(e).__name__}: {e}"}), flush=True)
         return 2
-    if "rdma" in res and not res["rdma"]["rdma_proven"]:  # proof of transport, not configuration
-        from dualpath.transport.rdma import not_proven_message
-
-        res["error"] = f"RdmaNotProvenError: {not_proven_message(res['rdma'], 'the transport benchmark')}"
     text = json.dumps(res, default=lambda b: b.decode(errors="replace") if isinstance(b, bytes) else str(b))
     print(text, flush=True)
     if args.json:
