@@ -9,12 +9,21 @@ are pipelined per server as mget frames (a window of outstanding requests,
 never unbounded, so neither side can block on a full socket while the other
 waits; the server reads a few MiB ahead of what it sends, on into the next
 frame), and the groups of different servers run in parallel threads.
+
+Faults: with `retry_s`, a block whose server could not be reached (refused, reset, closed, busy:
+a server crashing and restarting) is asked for again, with backoff, until `retry_s` has passed;
+what still fails then is reported as usual, so no call waits past about retry_s + timeout_s.
+Blocks already read or written are never sent again. `link_up`, if given, says whether the
+caller's own NIC works: while it is down nothing is retried (a read or write fails at once,
+naming the NIC), and `interrupt()` cuts the connections in progress, so a read stalled on a
+dead link ends at once instead of at the socket timeout.
 """
 from __future__ import annotations
 
 import select
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -24,6 +33,7 @@ from .errors import (
     CorruptBlockError,
     PeerClosedError,
     ProtocolError,
+    ServerBusyError,
     StoreConnectionError,
     StoreError,
     error_from_reply,
@@ -37,6 +47,8 @@ T = TypeVar("T")
 MAX_HAS_KEYS = 1024  # the server's per-request limit
 MAX_VERIFY_KEYS = 128  # ... and with verify (every payload is read)
 WINDOW_BYTES = 32 << 20  # default bytes of outstanding get requests per server
+RETRY_FIRST_S = 0.05  # the first backoff between attempts; it doubles up to RETRY_MAX_S
+RETRY_MAX_S = 1.0
 
 
 class _Connection:
@@ -131,6 +143,34 @@ def _wire_error(address: tuple[str, int], exc: BaseException) -> StoreError:
     return StoreConnectionError(f"store server {address}: {exc}")
 
 
+def retryable(err: BaseException | None) -> bool:
+    """An error that a later attempt may not meet: the server was unreachable, closed the
+    connection, or was busy (not a missing or corrupt block, a bad request or a full disk)."""
+    return isinstance(err, (StoreConnectionError, PeerClosedError, ServerBusyError))
+
+
+class _Retry:
+    """Backoff within one deadline: `again()` sleeps before the next attempt, or says there
+    is none (the deadline would pass, or the caller's link is down)."""
+
+    def __init__(self, retry_s: float, link_up: Callable[[], bool] | None) -> None:
+        self.deadline = time.monotonic() + retry_s
+        self.delay = RETRY_FIRST_S
+        self.link_up = link_up
+        self.attempts = 1
+
+    def again(self) -> bool:
+        if self.link_up is not None and not self.link_up():
+            return False
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(self.delay, left))
+        self.delay = min(2 * self.delay, RETRY_MAX_S)
+        self.attempts += 1
+        return True
+
+
 def _corrupt(key: str) -> CorruptBlockError:
     return CorruptBlockError(f"block {key}: payload checksum mismatch on read", key=key)
 
@@ -198,7 +238,12 @@ class StoreClient:
         timeout_s: float = 30.0,
         window: int | None = None,
         crc_threads: int | None = None,
+        retry_s: float = 0.0,
+        link_up: Callable[[], bool] | None = None,
+        link_name: str = "NIC",
     ) -> None:
+        """`retry_s`: how long a block whose server is unreachable is retried (0: never);
+        `link_up`: whether the caller's own NIC (`link_name`) works (see the module docstring)."""
         if not servers:
             raise ValueError("need at least one store server")
         if block_bytes <= 0:
@@ -209,6 +254,10 @@ class StoreClient:
             window = max(8, min(MAX_MGET_KEYS, WINDOW_BYTES // block_bytes))
         if window < 1:
             raise ValueError("window must be >= 1")
+        if not 0 <= retry_s < float("inf"):
+            raise ValueError("retry_s must be a finite number of seconds >= 0")
+        self.retry_s, self.link_up, self.link_name = retry_s, link_up, link_name
+        self.retries = 0  # attempts after the first, over the client's life
         self.block_bytes = block_bytes
         self.window = window
         if crc_threads is None:
@@ -222,6 +271,43 @@ class StoreClient:
     @property
     def n_servers(self) -> int:
         return len(self._conns)
+
+    def interrupt(self) -> None:
+        """Cut every connection in progress (from any thread): an exchange blocked on it fails
+        at once (and is retried only if the link is up). Called when the caller's NIC goes down."""
+        for c in self._conns:
+            s = c._sock
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _check_link(self, keys: Sequence[str]) -> None:
+        """Fail at once, every key named, while the caller's own NIC is down."""
+        if self.link_up is not None and keys and not self.link_up():
+            err = StoreConnectionError(f"{self.link_name} is down: no store server is reachable")
+            raise _first_error({i: err for i in range(len(keys))}, keys)
+
+    def _retrying(self, positions: list[int], errors: dict[int, StoreError],
+                  attempt: Callable[[list[int]], None]) -> None:
+        """attempt(positions), then again for the positions whose error is retryable, until
+        none is or the retry deadline passes (errors keeps the last attempt's)."""
+        retry = _Retry(self.retry_s, self.link_up)
+        todo = positions
+        while True:
+            attempt(todo)
+            todo = [p for p in todo if retryable(errors.get(p))]
+            if todo and self.link_up is not None and not self.link_up():
+                down = StoreConnectionError(f"{self.link_name} went down: no store server is reachable")
+                for p in todo:  # the cause, not the cut connection it left behind
+                    errors[p] = down
+                return
+            if not todo or self.retry_s <= 0 or not retry.again():
+                return
+            self.retries += 1
+            for p in todo:
+                del errors[p]
 
     def close(self) -> None:
         with self._pool_lock:
@@ -282,13 +368,18 @@ class StoreClient:
             if len(view) != self.block_bytes:
                 raise BadRequestError(f"block {key} has {len(view)} bytes, store blocks are {self.block_bytes}", key=key)
             views.append(view)
+        self._check_link(keys)
         status: list[str] = ["exists"] * len(keys)
         errors: dict[int, StoreError] = {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
-            with conn.lock:
-                self._put_group(conn, positions, keys, views, status, errors)
+
+            def attempt(todo: list[int]) -> None:
+                with conn.lock:
+                    self._put_group(conn, todo, keys, views, status, errors)
+
+            self._retrying(positions, errors, attempt)
 
         self._run_groups(group_by_server(keys, self.n_servers), work)
         if errors:
@@ -379,12 +470,17 @@ class StoreClient:
         if not keys:
             return
         views = [mv[off : off + bb] for off in offs]
+        self._check_link(keys)
         errors: dict[int, StoreError] = {}
 
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
-            with conn.lock:
-                self._get_group(conn, positions, keys, views, errors)
+
+            def attempt(todo: list[int]) -> None:
+                with conn.lock:
+                    self._get_group(conn, todo, keys, views, errors)
+
+            self._retrying(positions, errors, attempt)
 
         self._run_groups(group_by_server(keys, self.n_servers), work)
         if errors:
@@ -477,12 +573,13 @@ class StoreClient:
         per_call = MAX_VERIFY_KEYS if verify else MAX_HAS_KEYS
         extra = {"verify": True} if verify else {}
 
+        self._check_link(keys)
+
         def work(server: int, positions: list[int]) -> None:
             conn = self._conns[server]
             for start in range(0, len(positions), per_call):
                 chunk = positions[start : start + per_call]
-                with conn.lock:
-                    reply = conn.call({"op": "has", "keys": [keys[p] for p in chunk], **extra})
+                reply = self._call_retrying(conn, {"op": "has", "keys": [keys[p] for p in chunk], **extra})
                 flags = reply.get("have")
                 if not isinstance(flags, list) or len(flags) != len(chunk):
                     raise ProtocolError("malformed has reply")
@@ -492,10 +589,21 @@ class StoreClient:
         self._run_groups(group_by_server(keys, self.n_servers), work)
         return have
 
+    def _call_retrying(self, conn: _Connection, header: dict[str, Any]) -> dict[str, Any]:
+        """conn.call(header), retried like blocks are while the server is unreachable."""
+        retry = _Retry(self.retry_s, self.link_up)
+        while True:
+            try:
+                with conn.lock:
+                    return conn.call(header)
+            except StoreError as e:
+                if not retryable(e) or self.retry_s <= 0 or not retry.again():
+                    raise
+                self.retries += 1
+
     def delete(self, key: str) -> bool:
         conn = self._conns[group_by_server([check_key(key)], self.n_servers).popitem()[0]]
-        with conn.lock:
-            return bool(conn.call({"op": "delete", "key": key}).get("deleted"))
+        return bool(self._call_retrying(conn, {"op": "delete", "key": key}).get("deleted"))
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-server usage, in server order."""
