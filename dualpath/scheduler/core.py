@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .de_assign import GroupBalancer, assign_de_in_group, distribute_to_groups
 from .pe_assign import assign_pe
-from .read_path import PathPolicy, PeOnly, RoundRobin, ShorterQueue, Split
+from .read_path import PathPolicy, PeOnly, RoundRobin, ShorterQueue, Split, avoid_down
 from .records import (
     Assignment, EngineReport, EngineState, GroupState, NodeState, Request, Role,
 )
@@ -52,7 +52,9 @@ class Scheduler:
     ) -> None:
         """`profile` gives the profiled rates; alpha/beta are alpha_s/beta_s seconds of them.
         `node_snic_bytes_per_s` overrides the drain rate of individual nodes (split mode).
-        `stale_after_s`: engines whose last report is older are not given new work."""
+        `stale_after_s`: engines whose last report is older are not given new work (a leader
+        stops reporting an engine that no longer answers), and a DE group with no such engine
+        left hands its queued requests back to the other groups."""
         self.profile = profile
         self.thresholds = Thresholds.from_profile(profile, alpha_s, beta_s)
         self.clock = clock
@@ -137,6 +139,9 @@ class Scheduler:
         e.free_hbm_bytes = r.free_hbm_bytes
         e.last_report = now
         node.read_q = r.read_q_bytes + node.inflight_read
+        node.snic_up = r.snic_up
+        if g.role is Role.DECODE and g.group_id not in self._balancer.totals:  # back from the dead
+            self._balancer.set(g.group_id, g.tok_sum + self._de_queued_tok[g.group_id])
 
     def on_reports(self, reports: Iterable[EngineReport]) -> None:
         for r in reports:
@@ -189,7 +194,21 @@ class Scheduler:
             self._ids.discard(a.request_id)
         return out
 
+    def _reclaim_dead_groups(self) -> None:
+        """DE groups with no live engine leave phase 1, and what was queued for them goes back
+        to the head of the global queue, in order, for the live groups to take."""
+        back: list[Request] = []
+        for gid, q in self._de_private.items():
+            if gid in self._balancer.totals and not self._live(self.groups[gid]):
+                self._balancer.remove(gid)
+                back.extend(q)
+                q.clear()
+                self._de_queued_tok[gid] = 0
+        self._de_global.extendleft(reversed(back))
+
     def _pull_de(self, g: GroupState) -> list[Assignment]:
+        if self.stale_after_s is not None:
+            self._reclaim_dead_groups()
         if self._de_global:
             for req, gid in distribute_to_groups(self._de_global, self._balancer, self._de_private):
                 self._de_queued_tok[gid] += req.total_len
@@ -210,6 +229,9 @@ class Scheduler:
             p = self._pending.pop(req.request_id)
             pe = p.pe
             d = policy.decide(self.n_hit_blocks(req), block_bytes, pe.node, de.node)
+            avoided = ""
+            if not getattr(policy, "single_path", False):
+                d, avoided = avoid_down(d, pe.node, de.node)
             # Count the reads at once so the next decision sees them; the PE side's share is
             # inflight until the PE leader receives it, the DE side's is delivered right now.
             pe_bytes, de_bytes = d.pe_blocks * block_bytes, d.de_blocks * block_bytes
@@ -221,7 +243,7 @@ class Scheduler:
             a = Assignment(
                 req, pe.engine_id, pe.node.node_id, pe.group_id,
                 de.engine_id, de.node.node_id, de.group_id,
-                d.path, d.pe_blocks, d.de_blocks, p.at, now,
+                d.path, d.pe_blocks, d.de_blocks, p.at, now, avoided,
             )
             self._outbox.setdefault(pe.group_id, []).append(a)
             out.append(a)

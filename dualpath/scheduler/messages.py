@@ -32,11 +32,12 @@ class EngineReportMsg(_Strict):
     free_hbm_tokens: NonNeg
     free_hbm_bytes: NonNeg
     read_q_bytes: NonNeg
+    snic_up: bool = True  # False: the node's storage NIC (or its host agent) is down
 
     def to_record(self) -> EngineReport:
         return EngineReport(
             self.engine_id, self.node_id, Role(self.role), self.group_id, self.seq_e, self.tok_e,
-            self.free_hbm_tokens, self.free_hbm_bytes, self.read_q_bytes,
+            self.free_hbm_tokens, self.free_hbm_bytes, self.read_q_bytes, self.snic_up,
         )
 
 
@@ -142,7 +143,7 @@ def assignment_to_dict(a: Assignment) -> dict[str, Any]:
         "pe_engine": a.pe_engine, "pe_node": a.pe_node, "pe_group": a.pe_group,
         "de_engine": a.de_engine, "de_node": a.de_node, "de_group": a.de_group,
         "path": a.path.value, "pe_blocks": a.pe_blocks, "de_blocks": a.de_blocks,
-        "pe_assigned_at": a.pe_assigned_at, "de_assigned_at": a.de_assigned_at,
+        "pe_assigned_at": a.pe_assigned_at, "de_assigned_at": a.de_assigned_at, "avoided": a.avoided,
     }
 
 
@@ -165,3 +166,4 @@ class AssignmentMsg(_Strict):
     de_blocks: NonNeg
     pe_assigned_at: float
     de_assigned_at: float
+    avoided: Annotated[str, Field(max_length=256)] = ""

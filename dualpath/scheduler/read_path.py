@@ -70,6 +70,20 @@ class PathPolicy(Protocol):
     ) -> PathDecision: ...
 
 
+def avoid_down(d: PathDecision, pe_node: NodeState, de_node: NodeState) -> tuple[PathDecision, str]:
+    """The second path as fault tolerance: a decision that would read on a node whose SNIC is
+    down moves wholly to the other side when that one is up. Returns the decision and the node
+    it avoided ("" when nothing moved: both up, both down, or nothing to read)."""
+    n = d.pe_blocks + d.de_blocks
+    if n == 0 or pe_node.snic_up == de_node.snic_up:
+        return d, ""
+    if not pe_node.snic_up and d.pe_blocks:
+        return PathDecision(ReadPath.DE, 0, n), pe_node.node_id
+    if not de_node.snic_up and d.de_blocks:
+        return PathDecision(ReadPath.PE, n, 0), de_node.node_id
+    return d, ""
+
+
 def _whole(path: ReadPath, n_blocks: int) -> PathDecision:
     return PathDecision(path, n_blocks, 0) if path is ReadPath.PE else PathDecision(path, 0, n_blocks)
 
@@ -98,9 +112,11 @@ class RoundRobin:
 
 
 class PeOnly:
-    """basic / layerwise: the single conventional path."""
+    """basic / layerwise: the single conventional path (no second path to fall back on: with
+    the PE node's SNIC down its hits cannot be read, and are recomputed)."""
 
     name = "pe"
+    single_path = True
 
     def decide(self, n_blocks: int, block_bytes: float, pe_node: NodeState, de_node: NodeState) -> PathDecision:
         return PathDecision(ReadPath.PE, n_blocks, 0)

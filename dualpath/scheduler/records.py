@@ -36,6 +36,7 @@ class EngineReport:
     free_hbm_tokens: int  # KV tokens the engine can still admit (what DE admission checks)
     free_hbm_bytes: int  # same in bytes, carried for metrics
     read_q_bytes: int  # pending storage-read bytes of the engine's *node* (its SNIC is shared)
+    snic_up: bool = True  # the node's storage NIC works (its host agent sees a link and answers)
 
     def __post_init__(self) -> None:
         if min(self.seq_e, self.tok_e, self.free_hbm_tokens, self.free_hbm_bytes, self.read_q_bytes) < 0:
@@ -71,6 +72,7 @@ class NodeState:
     read_q: int = 0  # estimated pending read bytes: last report + inflight_read
     inflight_read: int = 0  # bytes assigned to this node's SNIC but not yet delivered to it
     read_total: int = 0  # bytes the scheduler has given this node to read, ever (breaks ties)
+    snic_up: bool = True  # as last reported: False while its SNIC or its host agent is down
 
 
 @dataclass(slots=True, eq=False)
@@ -120,6 +122,7 @@ class Assignment:
     de_blocks: int
     pe_assigned_at: float
     de_assigned_at: float
+    avoided: str = ""  # a node whose SNIC was down: the read path moved to the other side
 
     @property
     def request_id(self) -> str:
