@@ -6,10 +6,16 @@ per process. A request is {"cmd": name, "args": {...}}; a reply is
 {"ok": true, ...result} or {"ok": false, "error": "..."}. Arguments are
 validated against the handler's type hints (pydantic), so a malformed message
 gets an error reply naming the field, never a crash. No pickle crosses a socket.
+
+Authentication: in a run every control message carries the run's secret (`Auth`): the frames
+of a message are [secret, payload], and a server refuses anything else before it unpacks a
+byte of it. The conductor draws the secret per run and hands it to each node process on its
+stdin, so it is never on a command line, in an environment or on disk.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import queue
 import threading
@@ -35,6 +41,48 @@ MAX_ERROR_CHARS = 300  # an error reply is one line of at most this many charact
 
 class ControlError(RuntimeError):
     """A remote command failed, timed out, or its process died."""
+
+
+REFUSED = "refused: the message does not carry this run's secret"
+SECRET_BYTES = 32
+
+
+class Auth:
+    """The run's secret on the wire: a message is the frames [secret, payload]; without a
+    secret (None: tests and tools outside a run) it is [payload] alone."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+            raise ValueError("a run secret is at least 16 bytes")
+        self.secret = secret
+        self.refused = 0  # messages refused so far
+
+    def frames(self, payload: bytes) -> list[bytes]:
+        return [self.secret, payload] if self.secret is not None else [payload]
+
+    def payload(self, frames: list[bytes]) -> bytes | None:
+        """The payload of a message that carries the secret; None (and counted) otherwise."""
+        if self.secret is None:
+            if len(frames) == 1:
+                return frames[0]
+        elif len(frames) == 2 and hmac.compare_digest(bytes(frames[0]), self.secret):
+            return frames[1]
+        self.refused += 1
+        return None
+
+
+def read_secret(stream) -> bytes:
+    """A node process's run secret: one line of hex on `stream` (its stdin), then EOF.
+    ValueError if there is none: a node never serves without one."""
+    line = stream.readline(4 * SECRET_BYTES + 2).strip()
+    try:
+        secret = bytes.fromhex(line.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        secret = b""
+    if len(secret) < 16:
+        raise ValueError("no run secret on stdin (one line of at least 32 hex digits): a node process "
+                         "serves only the conductor that started it")
+    return secret
 
 
 def pack(obj: Any) -> bytes:
@@ -88,7 +136,9 @@ def short(value: Any, limit: int = 60) -> str:
 class RpcServer:
     """Serves named commands on a REP socket until `shutdown` (or a deadline)."""
 
-    def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]]):
+    def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]],
+                 auth: Auth | None = None):
+        self.auth = auth or Auth()
         # A handler that already validates its arguments (e.g. validate_call in strict mode, so "0"
         # or true is no int) keeps its own validation; the others get pydantic's lax one.
         self.handlers = {name: fn if hasattr(fn, "raw_function") else validate_call(fn) for name, fn in handlers.items()}
@@ -97,6 +147,14 @@ class RpcServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         self.sock.bind(endpoint)
+
+    def handle_frames(self, frames: list[bytes]) -> dict[str, Any]:
+        """The reply to one message as received (its frames): refused unless it carries the
+        run's secret, else `handle` of its payload."""
+        payload = self.auth.payload(frames)
+        if payload is None:
+            return {"ok": False, "error": REFUSED}
+        return self.handle(payload)
 
     def handle(self, payload: bytes) -> dict[str, Any]:
         """The reply to one request: never raises, and an error is one line naming the
@@ -140,8 +198,7 @@ class RpcServer:
                 if idle:
                     idle()
                 continue
-            payload = self.sock.recv()
-            reply = self.handle(payload)
+            reply = self.handle_frames(self.sock.recv_multipart())
             self.sock.send(pack(reply))
             if reply.get("ok") and reply.get("shutdown"):
                 break
@@ -153,10 +210,11 @@ class RpcClient:
     """One REQ connection to a node process, one command at a time (asyncio)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str,
-                 alive: Callable[[], bool] = lambda: True):
+                 alive: Callable[[], bool] = lambda: True, auth: Auth | None = None):
         self.name = name
         self.endpoint = endpoint
         self.alive = alive
+        self.auth = auth or Auth()
         self.lock = asyncio.Lock()
         self.sent_bytes = 0
         self.recv_bytes = 0
@@ -177,7 +235,7 @@ class RpcClient:
                 raise ControlError(f"{self.name}: {self.dead}")
             payload = pack({"cmd": cmd, "args": args})
             self.sent_bytes += len(payload)
-            await self._sock.send(payload)
+            await self._sock.send_multipart(self.auth.frames(payload))
             deadline = time.monotonic() + timeout_s
             while True:
                 if await self._sock.poll(100):
@@ -212,8 +270,9 @@ class AsyncRpcClient:
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, name: str, endpoint: str,
-                 alive: Callable[[], bool] = lambda: True):
+                 alive: Callable[[], bool] = lambda: True, auth: Auth | None = None):
         self.name, self.endpoint, self.alive = name, endpoint, alive
+        self.auth = auth or Auth()
         self.sent_bytes = 0
         self.recv_bytes = 0
         self._sock = ctx.socket(zmq.DEALER)
@@ -233,7 +292,7 @@ class AsyncRpcClient:
         self._waiting[rid] = fut
         payload = pack({"cmd": cmd, "args": args, "id": rid})
         self.sent_bytes += len(payload)
-        await self._sock.send_multipart([b"", payload])
+        await self._sock.send_multipart([b"", *self.auth.frames(payload)])
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -281,10 +340,12 @@ class RouterServer:
 
     def __init__(self, endpoint: str, handlers: dict[str, Callable[..., dict | None]], workers: int = 1,
                  admit: Callable[[str, dict], None] | None = None,
-                 done: Callable[[str, dict], None] | None = None, name: str = "router") -> None:
+                 done: Callable[[str, dict], None] | None = None, name: str = "router",
+                 auth: Auth | None = None) -> None:
         """`admit(cmd, args)` runs on arrival (raise ValueError to refuse); `done(cmd, args)` after
         the command ran, whatever its outcome."""
         self.endpoint, self.name = endpoint, name
+        self.auth = auth or Auth()
         self.handlers = {cmd: fn if hasattr(fn, "raw_function") else validate_call(fn)  # as RpcServer does
                          for cmd, fn in handlers.items()}
         self.workers, self._admit, self._done = workers, admit, done
@@ -327,7 +388,10 @@ class RouterServer:
                     sock.send_multipart([ident, b"", pack(reply)])
                 while sock in events and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     frames = sock.recv_multipart()
-                    reply = self._accept(frames[-1], frames[0])
+                    body = frames[2:] if len(frames) > 1 and frames[1] == b"" else frames[1:]
+                    payload = self.auth.payload(body)
+                    reply = (self._accept(payload, frames[0]) if payload is not None
+                             else {"ok": False, "id": None, "error": REFUSED})
                     if reply is not None:  # refused at once; accepted commands reply from a worker
                         sock.send_multipart([frames[0], b"", pack(reply)])
         finally:

@@ -2,8 +2,10 @@
 
 Leftovers are namespaces named dpt-*, links and bridges named dpt-* in the root
 namespace (with their qdiscs), nft tables named dpt_* in the root namespace,
-Mininet shells tagged mininet:dpt-*, and any process living in one of those
-namespaces. Nothing else is ever touched: no process is matched by a broad name.
+Mininet shells tagged mininet:dpt-*, any process living in one of those
+namespaces, and the tmpfs mounts of store roots (source dpt-store, under a run's
+/var/tmp/dpt-run-* scratch folder). Nothing else is ever touched: no process is
+matched by a broad name.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from testbed.shell import run
 
 NETNS_DIR = Path("/run/netns")
 MININET_TAG = f"mininet:{PREFIX}-"
+TMPFS_SOURCE = f"{PREFIX}-store"  # a store root's own tmpfs (runs with a disk-full fault)
+SCRATCH_GLOB = f"{PREFIX}-run-*"  # a run's scratch folders in /var/tmp
 
 
 @dataclass
@@ -30,6 +34,7 @@ class Leftovers:
     qdiscs: list[str] = field(default_factory=list)
     nft_tables: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not any(vars(self).values())
@@ -63,8 +68,24 @@ def _our_processes(ns_inodes: set[int]) -> list[int]:
     return pids
 
 
+def _our_mounts() -> list[str]:
+    """Mount points of store tmpfs mounts, in this (the root) mount namespace."""
+    out = []
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "tmpfs" and (
+                parts[0] == TMPFS_SOURCE or parts[1].startswith(f"/var/tmp/{SCRATCH_GLOB[:-1]}")):
+            out.append(parts[1].replace("\\040", " "))
+    return sorted(set(out), key=len, reverse=True)  # the deepest first
+
+
 def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
     left = Leftovers()
+    left.mounts = _our_mounts()
     left.namespaces = sorted(p.name for p in NETNS_DIR.glob(f"{PREFIX}-*")) if NETNS_DIR.exists() else []
     inodes = {i for i in (_ns_inode(NETNS_DIR / n) for n in left.namespaces) if i is not None}
     # Mininet shells hold the namespaces of hosts; the bridges' shells live in ours, and what
@@ -102,7 +123,9 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         run(["ip", "link", "del", name], check=False)  # the peer end goes with it
     for table in found.nft_tables:
         run(["nft", "delete", "table", *table.split()], check=False)
-    scratch = sorted(Path("/var/tmp").glob(f"{PREFIX}-run-*"))  # logs and store of failed runs
+    for m in found.mounts:  # before the scratch folders: rmtree must not empty a live mount
+        run(["umount", "-l", m], check=False)
+    scratch = sorted(Path("/var/tmp").glob(SCRATCH_GLOB))  # logs and store of failed runs
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
     if verbose:

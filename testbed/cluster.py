@@ -5,12 +5,17 @@ other (NIXL metadata travels over the control plane), and stops them. The
 conductor talks to every process over the emulated compute network from an
 address on the compute bridge, so control crosses the same shaped NICs (in
 the model class) as it would in a real cluster.
+
+Every control message carries the run's secret (dualpath.control.Auth), drawn here per
+cluster and written to each node process's stdin at start: the conductor sits in the root
+namespace, so the network cannot tell it from any other local process, and only the secret can.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -22,9 +27,10 @@ from pathlib import Path
 import zmq.asyncio
 
 from dualpath.nodes.common import collective_port, jobs_port, load_port
-from dualpath.control import AsyncRpcClient, RpcClient
+from dualpath.control import SECRET_BYTES, AsyncRpcClient, Auth, RpcClient
 from dualpath.kv.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
+from testbed.cleanup import TMPFS_SOURCE
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric, engine_groups
 from testbed.shell import ns_argv, run
 
@@ -110,6 +116,7 @@ class Cluster:
 
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
                  buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp",
+                 tmpfs_stores: dict[str, int] | None = None,
                  timing: dict | None = None, collectives: dict | None = None):
         """`timing`: the engines' emulated clock ({dilation, prefill, decode}: the target's cost
         models as dicts); None keeps the host's own time. `collectives`: the per-layer AllToAll's
@@ -127,6 +134,9 @@ class Cluster:
         # long commands, many outstanding: host agents' flushes and notification waits, DEs' decodes
         self.jobs: dict[str, AsyncRpcClient] = {}
         self.transports: dict[str, str] = {}
+        self.auth = Auth(secrets.token_bytes(SECRET_BYTES))  # the run's secret, on every control message
+        self.tmpfs_stores = dict(tmpfs_stores or {})  # storage server -> bytes of its root's own tmpfs
+        self.disk_mounts: dict[Path, int] = {}  # store roots mounted here (unmounted at stop)
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
         self.cost_model = None
@@ -155,7 +165,13 @@ class Cluster:
         store_addrs = []
         for ep in (e for e in self.fab.endpoints if e.kind == "storage"):
             nic = ep.nic("storage_nic")
-            sp = ServerProcess(self.run_dir / "store" / ep.name, self.store_capacity,
+            root = self.run_dir / "store" / ep.name
+            if ep.name in self.tmpfs_stores:  # a disk of its own, which a fault can fill
+                root.mkdir(parents=True, exist_ok=True)
+                run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_stores[ep.name]},mode=0700", TMPFS_SOURCE,
+                     str(root)])
+                self.disk_mounts[root] = self.tmpfs_stores[ep.name]
+            sp = ServerProcess(root, self.store_capacity,
                                listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=ns_argv(ep.name, []),
                                log_path=self.run_dir / "logs" / f"{ep.name}.log",
                                block_bytes=self.geom.full_block_bytes)  # refuses any other size
@@ -167,7 +183,7 @@ class Cluster:
                 nic = ep.nic("host_port")
                 self._spawn(ep, "host", "dualpath.nodes.host", nic.dev, nic.ip, [
                     "--buffer-bytes", str(self.buffer_bytes), "--block-bytes", str(self.geom.full_block_bytes),
-                    "--store", ",".join(store_addrs)])
+                    "--store", ",".join(store_addrs), "--snic", ep.nic("snic").dev])
             elif ep.kind == "engine":
                 nic = ep.nic("cnic")
                 self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
@@ -191,22 +207,28 @@ class Cluster:
         argv = ns_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
                                  "--ip", ip, "--control-port", str(CONTROL_PORT), "--transport", self.transport,
                                  *extra])
-        with open(log, "wb") as lf:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=lf, stdin=subprocess.DEVNULL,
+        with open(log, "ab") as lf:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=lf, stdin=subprocess.PIPE,
                                     cwd=REPO, env=env)
+        try:  # the secret goes down a pipe only this process and the child hold
+            proc.stdin.write(self.auth.secret.hex().encode() + b"\n")
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: wait_ready says why
         self.procs[ep.name] = NodeProcess(ep.name, role, ep, proc, log)
 
     async def connect(self) -> None:
         """Control clients for every process, then every transport agent learns every other."""
         self.ctx = zmq.asyncio.Context()
         for name, p in self.procs.items():
-            self.clients[name] = RpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", p.alive)
+            self.clients[name] = RpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", p.alive,
+                                           auth=self.auth)
             if p.role == "host":
                 self.loaders[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{load_port(CONTROL_PORT)}",
-                                                    p.alive)
+                                                    p.alive, auth=self.auth)
             if p.role in ("host", "decode"):
                 self.jobs[name] = AsyncRpcClient(self.ctx, name, f"tcp://{p.endpoint.ip}:{jobs_port(CONTROL_PORT)}",
-                                                 p.alive)
+                                                 p.alive, auth=self.auth)
         hellos = {n: await c.call("hello", timeout_s=30) for n, c in self.clients.items()}
         metas = {n: h["metadata"] for n, h in hellos.items()}
         rates = [h["prefill_tokens_per_s"] for h in hellos.values() if "prefill_tokens_per_s" in h]
@@ -248,6 +270,9 @@ class Cluster:
             p.stop()
         for s in self.stores:
             s.stop()
+        for root in list(self.disk_mounts):
+            run(["umount", "-l", str(root)], check=False)
+            del self.disk_mounts[root]
 
     def __enter__(self) -> "Cluster":
         try:

@@ -27,6 +27,7 @@ from tests.conftest import REPO
 
 FB = 4096
 BUF = 16 * FB
+SECRET = os.urandom(32)  # the run's secret, handed to the agent on its stdin
 KEYS = chain_keys(np.arange(16 * 64), 16, namespace=b"host-args")
 
 
@@ -116,12 +117,14 @@ def host_agent(make_server, tmp_path: Path):
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.nodes.host", "--name", "h0", "--iface", "lo",
                              "--ip", "127.0.0.1", "--control-port", str(port), "--buffer-bytes", str(BUF),
                              "--block-bytes", str(FB), "--store", "%s:%d" % srv.address],
-                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.PIPE, env=env, cwd=REPO)
+    proc.stdin.write(SECRET.hex().encode() + b"\n")
+    proc.stdin.close()
     try:
         line = proc.stdout.readline()
         if not line.startswith(b"ready"):
             pytest.skip(f"host agent did not start on loopback: {(tmp_path / 'host.log').read_text()[-300:]}")
-        yield srv, port
+        yield srv, port, proc
     finally:
         proc.kill()
         proc.wait(10)
@@ -130,13 +133,13 @@ def host_agent(make_server, tmp_path: Path):
 
 def _rpc(sock: zmq.Socket, cmd: str, **args) -> tuple[dict, float]:
     t0 = time.monotonic()
-    sock.send(pack({"cmd": cmd, "args": args}))
+    sock.send_multipart([SECRET, pack({"cmd": cmd, "args": args})])
     assert sock.poll(5000), f"no reply to {cmd}"
     return unpack(sock.recv()), time.monotonic() - t0
 
 
 def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
-    srv, port = host_agent
+    srv, port, _ = host_agent
     with StoreClient([srv.address], FB) as c:
         c.put(KEYS[0], bytes(range(256)) * (FB // 256))
     ctx = zmq.Context()
@@ -164,7 +167,7 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
         ]
         for i, (cmd, args, field) in enumerate(bad):
             t0 = time.monotonic()
-            jobs.send_multipart([b"", pack({"cmd": cmd, "args": args, "id": i})])
+            jobs.send_multipart([b"", SECRET, pack({"cmd": cmd, "args": args, "id": i})])
             assert jobs.poll(5000), f"no reply to {cmd}"
             reply, took = unpack(jobs.recv_multipart()[-1]), time.monotonic() - t0
             assert reply["ok"] is False and reply["id"] == i and f"field '{field}'" in reply["error"] \
@@ -175,18 +178,82 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
                  ({"keys": ["nope"], "offset": 0}, "keys"), ({"keys": KEYS[:1], "offset": "0"}, "offset"),
                  ({"keys": KEYS[:1], "offset": True}, "offset")]
         for i, (args, field) in enumerate(loads):
-            ld.send_multipart([b"", pack({"cmd": "load", "args": args, "id": i})])
+            ld.send_multipart([b"", SECRET, pack({"cmd": "load", "args": args, "id": i})])
             assert ld.poll(2000), args
             reply = unpack(ld.recv_multipart()[-1])
             assert reply["ok"] is False and reply["id"] == i and f"'{field}'" in reply["error"], reply
-        ld.send_multipart([b"", pack({"cmd": "load", "args": {"keys": KEYS[:1], "offset": FB}, "id": 99})])
+        ld.send_multipart([b"", SECRET, pack({"cmd": "load", "args": {"keys": KEYS[:1], "offset": FB}, "id": 99})])
         assert ld.poll(5000)
         reply = unpack(ld.recv_multipart()[-1])
-        assert reply["ok"] is True and reply["bytes"] == FB and reply["id"] == 99
+        assert reply["ok"] is True and reply["bytes"] == FB and reply["id"] == 99 and reply["failed_at"] == -1
+        # a block the store lacks is not an error of the load: the reply names it, as a miss
+        ld.send_multipart([b"", SECRET, pack({"cmd": "load", "args": {"keys": KEYS[:3], "offset": 0}, "id": 100})])
+        assert ld.poll(5000)
+        reply = unpack(ld.recv_multipart()[-1])
+        assert reply["ok"] is True and reply["failed_at"] == 1 and set(reply["errors"]) == set(KEYS[1:3]), reply
+        assert all(v.startswith("missing") for v in reply["errors"].values())
         reply, _ = _rpc(ctl, "read_log")
-        assert reply["ok"] is True and len(reply["loads"]) == 1  # the refused loads were never queued
+        assert reply["ok"] is True and len(reply["loads"]) == 2  # the refused loads were never queued
     finally:
         ctl.close()
         ld.close()
         jobs.close()
         ctx.term()
+
+
+def test_every_socket_of_a_host_agent_refuses_a_message_without_the_run_secret(host_agent):
+    """Issue 14 item 5: a process that does not hold the run's secret (here: this test, outside
+    any of the testbed's namespaces) cannot drive a node: every socket answers with a refusal,
+    runs nothing, and the agent keeps serving its conductor."""
+    from dualpath.control import REFUSED
+    from dualpath.nodes.common import state_port
+
+    srv, port, proc = host_agent
+    ctx = zmq.Context()
+    socks = []
+
+    def sock(kind, p):
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{p}")
+        socks.append(s)
+        return s
+
+    try:
+        for secret in ([], [b"x" * 32], [os.urandom(32)], [SECRET[:-1]]):  # none, wrong, or cut short
+            ctl = sock(zmq.REQ, port)
+            ctl.send_multipart([*secret, pack({"cmd": "shutdown", "args": {}})])
+            assert ctl.poll(5000)
+            assert unpack(ctl.recv()) == {"ok": False, "error": REFUSED}
+            st = sock(zmq.REQ, state_port(port))
+            st.send_multipart([*secret, pack({"cmd": "read_q", "args": {}})])
+            assert st.poll(5000) and unpack(st.recv())["error"] == REFUSED
+            for p, cmd, args in ((load_port(port), "load", {"keys": KEYS[:1], "offset": 0}),
+                                 (jobs_port(port), "flush", {"keys": KEYS[:1], "offset": 0, "crcs": [0],
+                                                             "timeout_s": 1.0})):
+                d = sock(zmq.DEALER, p)
+                d.send_multipart([b"", *secret, pack({"cmd": cmd, "args": args, "id": 1})])
+                assert d.poll(5000)
+                assert unpack(d.recv_multipart()[-1])["error"] == REFUSED
+        time.sleep(0.2)
+        assert proc.poll() is None  # the unsigned shutdowns did nothing
+        ctl = sock(zmq.REQ, port)
+        reply, _ = _rpc(ctl, "read_log")
+        assert reply["ok"] is True and reply["loads"] == []  # the unsigned load was never queued
+        st = sock(zmq.REQ, state_port(port))
+        reply, _ = _rpc(st, "read_q")
+        assert reply == {"ok": True, "bytes": 0, "snic_up": True}
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+
+
+def test_a_node_process_does_not_start_without_a_secret(tmp_path):
+    pytest.importorskip("nixl_cu12")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "dualpath.nodes.host", "--name", "h0", "--iface", "lo",
+                        "--ip", "127.0.0.1", "--control-port", "1", "--buffer-bytes", str(BUF),
+                        "--block-bytes", str(FB), "--store", "127.0.0.1:1"],
+                       capture_output=True, stdin=subprocess.DEVNULL, env=env, cwd=REPO, timeout=60)
+    assert p.returncode != 0 and b"no run secret on stdin" in p.stderr and p.stdout == b""

@@ -37,6 +37,7 @@ class Route:
     de: str
     path: str  # "pe", "de", "split" or "none"
     pe_blocks: int  # hit blocks read on the PE side; the rest on the DE side
+    avoided: str = ""  # a node whose SNIC was down when this was decided (read by the other side)
 
 
 @dataclass(frozen=True)

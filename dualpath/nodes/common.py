@@ -41,6 +41,17 @@ def positive_int(text: str) -> int:
     return n
 
 
+def run_auth():
+    """The process's run secret from its stdin (dualpath.control.read_secret), as an Auth for
+    every socket it serves; exits with a one-line error without one."""
+    from dualpath.control import Auth, read_secret
+
+    try:
+        return Auth(read_secret(sys.stdin.buffer))
+    except ValueError as e:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
+
+
 def base_args(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--name", required=True, help="agent name (also the namespace name)")

@@ -19,7 +19,7 @@ from pydantic import ValidationError, validate_call
 
 from dualpath.nodes.leader import EngineLoad
 from dualpath.kv.buffers import ByteAllocator
-from dualpath.control import MAX_MSG_BYTES, RpcServer, pack, unpack
+from dualpath.control import MAX_MSG_BYTES, REFUSED, Auth, RpcServer, pack, unpack
 from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan, OracleDecodeConnector
 from dualpath.engines.clock import DeviceClock
 from dualpath.engines.collective import CollectiveGroup
@@ -47,10 +47,11 @@ class DecodeService:
     def __init__(self, model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
                  load: EngineLoad, clock: DeviceClock, cost: DecodeCostModel | None, control: str, decode: str,
                  handlers: dict[str, Callable[..., dict | None]], max_seconds: float = 24 * 3600,
-                 collective: CollectiveGroup | None = None) -> None:
+                 collective: CollectiveGroup | None = None, auth: Auth | None = None) -> None:
         self.agent, self.hbm, self.alloc, self.geom, self.load = agent, hbm, alloc, geom, load
+        self.auth = auth or Auth()
         self.batcher = DecodeBatcher(model, geom, clock, cost, collective)
-        self.rpc = RpcServer(control, {**handlers, "steps": self._steps})
+        self.rpc = RpcServer(control, {**handlers, "steps": self._steps}, auth=self.auth)
         self.ctx = zmq.Context()
         self.jobs = self.ctx.socket(zmq.ROUTER)
         self.jobs.setsockopt(zmq.LINGER, 0)
@@ -84,7 +85,7 @@ class DecodeService:
                 if b.wake_fd is not None and b.wake_fd in events:
                     os.read(b.wake_fd, 64)
                 if self.rpc.sock in events:
-                    reply = self.rpc.handle(self.rpc.sock.recv())
+                    reply = self.rpc.handle_frames(self.rpc.sock.recv_multipart())
                     self.rpc.sock.send(pack(reply))
                     if reply.get("ok") and reply.get("shutdown"):
                         return
@@ -102,8 +103,13 @@ class DecodeService:
 
     def _accept(self, frames: list[bytes]) -> None:
         ident = frames[0]
+        body = frames[2:] if len(frames) > 1 and frames[1] == b"" else frames[1:]
+        payload = self.auth.payload(body)
+        if payload is None:
+            self.jobs.send_multipart([ident, b"", pack({"ok": False, "id": None, "error": REFUSED})])
+            return
         try:
-            msg = unpack(frames[-1])
+            msg = unpack(payload)
         except Exception as e:
             self.jobs.send_multipart([ident, b"", pack({"ok": False, "id": None, "error": f"not msgpack: {e}"})])
             return

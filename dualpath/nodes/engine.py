@@ -17,7 +17,9 @@ import os
 import subprocess
 import sys
 
-from dualpath.nodes.common import base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, wiring_handlers
+from dualpath.nodes.common import (
+    base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, run_auth, wiring_handlers,
+)
 from dualpath.nodes.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
 
@@ -36,6 +38,7 @@ def main() -> None:
                     "combine_per_token}: run the group's AllToAll on every layer; empty: none")
     args = ap.parse_args()
     exit_on_sigterm()
+    auth = run_auth()
     if args.timing:
         # The engine stands for a GPU: its compute must not queue behind the emulation of NICs,
         # storage and control that shares these two cores (a pass that waits for the CPU overruns
@@ -84,7 +87,7 @@ def main() -> None:
         if leading:
             raise ValueError(f"{args.name} already leads group {leading[0].group}")
         leading.append(GroupLeader(group, scheduler, {e: tuple(v) for e, v in members.items()}, nodes,
-                                   kv_per_token, interval_s, bell=bell).start())
+                                   kv_per_token, interval_s, bell=bell, secret=auth.secret).start())
         return {}
 
     def unlead() -> dict:
@@ -93,7 +96,7 @@ def main() -> None:
     serve_state(args.ip, args.control_port, {
         "load": load.report,
         "assigned": lambda request, tokens: load.assigned(request, tokens) or {},
-    })
+    }, auth=auth)
     common = {"lead": lead, "unlead": unlead}
     if args.role == "prefill":
         from dualpath.nodes.prefill_service import prefill_handlers
@@ -101,7 +104,7 @@ def main() -> None:
         cost = AttentionCostModel.from_dict(timing["prefill"]) if timing else None
         handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective)
         server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                           {**wiring_handlers(agent, hello), **common, **handlers})
+                           {**wiring_handlers(agent, hello), **common, **handlers}, auth=auth)
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:
             # no progress thread here: progress when idle, so peers' endpoints settle
@@ -117,7 +120,7 @@ def main() -> None:
         service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,
                                 control=f"tcp://{args.ip}:{args.control_port}",
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                                handlers={**wiring_handlers(agent), **common}, collective=collective)
+                                handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth)
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:
             service.serve()

@@ -7,21 +7,31 @@ It serves the storage side: `load` (store -> buffer over the SNIC) on its read
 queue (read_queue.py), and on its jobs socket, many at once, `flush` (buffer ->
 store, for decode write-back) and `wait_notifs` (until a peer's WRITEs have
 landed). Its control socket keeps the short commands.
+
+Faults: it watches its SNIC (the link's operational state, every SNIC_POLL_S). While the link
+is down its read queue reports the SNIC down (the scheduler then reads by the other path), store
+calls fail at once, and reads in progress are cut. Store reads and writes retry an unreachable
+server (a crash and restart) for up to STORE_RETRY_S. A load never fails as a whole for the
+store's sake: it says which blocks could not be read (missing, corrupt, unreachable), and the
+conductor recomputes from the first of them; a flush says which blocks were stored.
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
+from pathlib import Path
 
 from pydantic import ConfigDict, validate_call
 
-from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, wiring_handlers
+from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, run_auth, wiring_handlers
 from dualpath.nodes.common import jobs_port, load_port
 from dualpath.nodes.leader import serve_state
 from dualpath.nodes.read_queue import ReadQueueServer
 from dualpath.kv.check import stale
 from dualpath.control import RouterServer, RpcServer, short
 from dualpath.store.client import StoreClient
+from dualpath.store.errors import StoreError
 from dualpath.store.keys import check_key
 from dualpath.transport.waiter import NotificationWaiter
 
@@ -33,6 +43,10 @@ JOB_WORKERS = 64  # concurrent waits and flushes: more than the requests a node 
 MAX_TIMEOUT_S = 600.0
 MAX_NOTIFS = 1 << 16  # notifications per wait_notifs (one per written-back block)
 MAX_NAME_CHARS = 256  # a peer name or a notification message
+STORE_RETRY_S = 30.0  # a store server that is unreachable (crashed, restarting) is retried this long
+SNIC_POLL_S = 0.02  # how often the SNIC's link state is read
+MAX_REPORTED_ERRORS = 8  # blocks named in a load's or flush's reply
+
 # The storage commands' arguments are taken as sent: strict types, so "0" or true is no offset and
 # [true] no CRC (pydantic's lax mode would convert them), then the checks below.
 strict = validate_call(config=ConfigDict(strict=True))
@@ -93,18 +107,70 @@ def check_wait_notifs(peer: object, msgs: object, timeout_s: object) -> float:
     return check_timeout("wait_notifs", timeout_s)
 
 
+class LinkWatch:
+    """A NIC's link state, read from sysfs (this namespace's: `ip netns exec` mounts its own
+    /sys) by a daemon thread; `on_down` runs once per loss of the link."""
+
+    def __init__(self, dev: str | None, on_down=lambda: None, every_s: float = SNIC_POLL_S) -> None:
+        self.dev, self.on_down, self.every_s = dev, on_down, every_s
+        self._up = True
+        self.downs = 0
+        if dev:
+            self._up = self.read()
+            threading.Thread(target=self._watch, name="snic-watch", daemon=True).start()
+
+    def read(self) -> bool:
+        """Up unless the kernel says the link is down (no carrier, or administratively down)."""
+        try:
+            state = Path(f"/sys/class/net/{self.dev}/operstate").read_text().strip()
+        except OSError:
+            return False  # the device is gone
+        return state in ("up", "unknown")
+
+    def up(self) -> bool:
+        return self._up
+
+    def _watch(self) -> None:
+        while True:
+            now = self.read()
+            if self._up and not now:
+                self._up = False
+                self.downs += 1
+                print(f"link {self.dev} is down", flush=True)
+                self.on_down()
+            elif now and not self._up:
+                self._up = True
+                print(f"link {self.dev} is up", flush=True)
+            time.sleep(self.every_s)
+
+
+def store_failures(keys: list[str], e: StoreError) -> tuple[int, dict[str, str]]:
+    """From a store call's error: the position of the first key that failed, and (at most
+    MAX_REPORTED_ERRORS of) the failed keys with their error code and message."""
+    errs = getattr(e, "errors", None) or {k: e for k in keys}
+    first = min(keys.index(k) for k in errs if k in keys) if any(k in keys for k in errs) else 0
+    named = {k: f"{err.code}: {short(str(err), 200)}" for k, err in list(errs.items())[:MAX_REPORTED_ERRORS]}
+    return first, named
+
+
 def main() -> None:
     ap = base_args(__doc__)
     ap.add_argument("--buffer-bytes", type=int, required=True)
     ap.add_argument("--block-bytes", type=int, required=True, help="bytes of one Full Block")
     ap.add_argument("--store", required=True, help="comma-separated host:port of the storage servers")
+    ap.add_argument("--snic", default=None, help="the node's storage NIC (its link state is watched)")
     args = ap.parse_args()
     exit_on_sigterm()
+    auth = run_auth()
     agent, buf = make_agent(args, "buf", args.buffer_bytes, "dram")
-    store = StoreClient(args.store.split(","), args.block_bytes)
+    clients: list[StoreClient] = []
+    link = LinkWatch(args.snic, on_down=lambda: [c.interrupt() for c in clients])
+    opts = dict(retry_s=STORE_RETRY_S, link_up=link.up, link_name=f"SNIC {args.snic}")
+    store = StoreClient(args.store.split(","), args.block_bytes, **opts)
     # write-back gets its own connections: a flush must not wait behind a long read on the same
     # socket (both share the SNIC, as two flows would)
-    writes = StoreClient(args.store.split(","), args.block_bytes)
+    writes = StoreClient(args.store.split(","), args.block_bytes, **opts)
+    clients += [store, writes]
     notifs = NotificationWaiter(agent)
     view = memoryview(buf)
     fb = args.block_bytes
@@ -114,11 +180,18 @@ def main() -> None:
 
     @strict
     def load(keys: list[str], offset: int) -> dict:
-        """Read Full Blocks into consecutive slots of the buffer from `offset`."""
+        """Read Full Blocks into consecutive slots of the buffer from `offset`. `failed_at`: the
+        first block that could not be read (-1: none), `errors` what went wrong with which."""
         t0 = time.perf_counter()
         check_load(keys, offset)
-        store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
-        return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0}
+        r0 = store.retries  # loads run one at a time: the difference is this load's
+        try:
+            store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
+            failed_at, errors = -1, {}
+        except StoreError as e:
+            failed_at, errors = store_failures(keys, e)
+        return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0, "failed_at": failed_at,
+                "errors": errors, "retries": store.retries - r0}
 
     @strict
     def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:
@@ -134,8 +207,16 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
                 time.sleep(0.002)
-        new = writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
-        return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0}
+        r0 = writes.retries  # flushes run concurrently: a retry may be another's, seen here too
+        try:
+            new = writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
+            stored, errors = [True] * len(keys), {}
+        except StoreError as e:  # e.g. the store's disk is full: the blocks are not persisted
+            errs = getattr(e, "errors", None) or {k: e for k in keys}
+            stored, new = [k not in errs for k in keys], []
+            errors = store_failures(keys, e)[1]
+        return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0,
+                "stored": stored, "errors": errors, "retries": writes.retries - r0}
 
     @strict
     def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
@@ -151,8 +232,10 @@ def main() -> None:
 
     # Loads queue here, on the node, where read_q can count them all; the group leaders read
     # read_q from the state socket (the control socket may be busy with a long flush).
-    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load, check_load).start()
-    serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes}})
+    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load, check_load,
+                            auth=auth).start()
+    serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes, "snic_up": link.up()}},
+                auth=auth)
 
     def read_log() -> dict:
         """The loads read since the last call, as [start, end, bytes] (when the SNIC was busy)."""
@@ -160,9 +243,10 @@ def main() -> None:
 
     # Waits and write-backs of many requests run at once (each blocks only its own request)
     jobs = RouterServer(f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                        {"flush": flush, "wait_notifs": wait_notifs}, workers=JOB_WORKERS, name="host-jobs").start()
+                        {"flush": flush, "wait_notifs": wait_notifs}, workers=JOB_WORKERS, name="host-jobs",
+                        auth=auth).start()
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                       {**wiring_handlers(agent), "contains": contains, "read_log": read_log})
+                       {**wiring_handlers(agent), "contains": contains, "read_log": read_log}, auth=auth)
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()

@@ -15,7 +15,7 @@ from typing import Callable
 
 from pydantic import ConfigDict, ValidationError, validate_call
 
-from dualpath.control import RouterServer, one_line, short
+from dualpath.control import Auth, RouterServer, one_line, short
 
 MAX_LOG = 200_000  # loads remembered between two drains
 MAX_LOAD_KEYS = 1 << 16  # blocks per load (a load fills consecutive slots of one buffer)
@@ -24,7 +24,7 @@ MAX_KEY_CHARS = 64  # a store key is 32 hex digits
 
 class ReadQueueServer:
     def __init__(self, endpoint: str, block_bytes: int, load: Callable[[list[str], int], dict],
-                 check: Callable[[list[str], int], None] | None = None) -> None:
+                 check: Callable[[list[str], int], None] | None = None, auth: Auth | None = None) -> None:
         """`load(keys, offset)` reads Full Blocks into the buffer (the host agent's store read);
         `check(keys, offset)` validates a load's arguments on arrival (raise ValueError), so a
         bad one is refused at once, never queued or counted in read_q."""
@@ -35,7 +35,7 @@ class ReadQueueServer:
         self._accepted: dict[int, float] = {}  # id(args) of a queued load -> when it arrived
         self._log: list[tuple[float, float, int]] = []
         self._server = RouterServer(endpoint, {"load": load}, workers=1, admit=self._admit, done=self._done,
-                                    name="read-queue")
+                                    name="read-queue", auth=auth)
 
     def drain_log(self) -> list[tuple[float, float, int]]:
         """Every load read since the last call, as (accepted, finished, bytes): while a load is

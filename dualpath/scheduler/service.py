@@ -21,6 +21,8 @@ from typing import Any
 
 import zmq
 
+from dualpath.control import Auth
+
 from .core import Scheduler
 from .records import Assignment
 from .messages import (
@@ -55,10 +57,13 @@ def bell_topic(group: str) -> bytes:
 class SchedulerService:
     def __init__(self, scheduler: Scheduler, endpoint: str = "tcp://127.0.0.1:*",
                  context: zmq.Context | None = None,
-                 on_pull: Callable[[str, list[Assignment]], None] | None = None) -> None:
+                 on_pull: Callable[[str, list[Assignment]], None] | None = None,
+                 secret: bytes | None = None) -> None:
         """Binds at once; `endpoint` may end in ":*" for an OS-chosen port, see `.endpoint`.
         `on_pull(group, assignments)` sees what each pull handed out (a frontend waiting for
-        its requests' decisions), from the serving thread."""
+        its requests' decisions), from the serving thread. `secret`: the run's, required on
+        every message (dualpath.control.Auth); None: none required."""
+        self.auth = Auth(secret)
         self.scheduler = scheduler
         self.on_pull = on_pull
         self._ctx = context or zmq.Context.instance()
@@ -144,11 +149,13 @@ class SchedulerService:
             envelope: list[bytes] = []
             if body and body[0] == b"":  # REQ-style delimiter: echo it back
                 envelope, body = [b""], body[1:]
-            if len(body) != 1:
+            payload = self.auth.payload(body)
+            if payload is None:
                 self.errors += 1
-                reply = error_reply(BadMessage("", f"expected exactly one payload frame, got {len(body)}"))
+                reply = error_reply(BadMessage("", "refused: expected exactly one payload frame"
+                                               + (", after this run's secret" if self.auth.secret else "")))
             else:
-                reply = self.handle(body[0])
+                reply = self.handle(payload)
             try:
                 self._sock.send_multipart([ident, *envelope, pack(reply)], zmq.NOBLOCK)
             except zmq.Again:
@@ -179,7 +186,9 @@ class SchedulerError(RuntimeError):
 class SchedulerClient:
     """What a group leader (or the request frontend) uses. Not thread-safe: one per thread."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None,
+                 secret: bytes | None = None) -> None:
+        self.auth = Auth(secret)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -190,7 +199,7 @@ class SchedulerClient:
 
     def call_raw(self, payload: bytes, msg_id: int | None = None) -> dict[str, Any]:
         """Send one payload frame, wait for the reply echoing `msg_id` (any reply if None)."""
-        self._sock.send_multipart([b"", payload])
+        self._sock.send_multipart([b"", *self.auth.frames(payload)])
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -200,6 +209,8 @@ class SchedulerClient:
             reply = unpack_map(frames[-1])
             if msg_id is None or reply.get("msg_id") == msg_id:
                 return reply  # others are late replies to calls that already timed out
+            if reply.get("type") == "error" and reply.get("msg_id") is None:
+                return reply  # a message the service could not read (or refused): ours, the latest
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         msg_id = next(self._ids)
