@@ -265,13 +265,17 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                                   "compute burst at the start; 0 keeps the generated length"),
             aps: float = typer.Option(0.0, min=0.0, max=1000.0, help="online serving: agents arrive as a Poisson "
                                       "process at this many per emulated second (seeded by --seed); 0: offline, "
-                                      "all at once")) -> None:
+                                      "all at once"),
+            fault: Optional[list[str]] = typer.Option(None, "--fault", help="KIND[:TARGET]@T, repeatable: inject a "
+                                                      "fault T emulated seconds after each mode's first request; kinds "
+                                                      "snic-down, snic-up, store-crash, host-kill, pe-kill, de-kill, "
+                                                      "corrupt-block, disk-full (testbed/faults.py); seeded by --seed")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     _need_root()
     _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns)
+             max_turns=max_turns, faults=fault or [])
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
@@ -567,7 +571,8 @@ def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tok
 def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int, checkpoint: Optional[Path],
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
-             compute: Optional[str] = None, note=None, max_turns: Optional[int] = None) -> None:
+             compute: Optional[str] = None, note=None, max_turns: Optional[int] = None,
+             faults: Optional[list[str]] = None) -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
@@ -576,6 +581,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
 
     t_start = time.monotonic()
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute)
+    specs = _faults(t, faults or [])
     wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
     if note is not None:  # says what the run does about time, against the topology as written
         typer.echo(note(_topology(topology), geom))
@@ -596,7 +602,8 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
                + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {ckpt}"
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
-    summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra)
+    summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
+                            faults=tuple(specs))
     for line in e2e_lines(summary):
         typer.echo(line)
     if "rdma" in summary:
@@ -606,7 +613,24 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
                f"the whole command {time.monotonic() - t_start:.0f} s)")
     ok = all(m["errors"] == 0 and m["verification"].get("all_match", True) for m in summary["modes"].values())
+    if specs:  # with faults, a request may fail alone; nothing may be wrong or lost
+        ok = all(m["verification"].get("all_match", True) and all(
+            f["wrong_tokens"] == 0 and f["lost_blocks"] == 0 for f in m.get("faults", []))
+            for m in summary["modes"].values())
     raise typer.Exit(0 if ok else 1)
+
+
+def _faults(t, texts: list[str]) -> list:
+    """--fault values against the topology, before anything is brought up (one line and exit 2)."""
+    if not texts:
+        return []
+    from testbed.fabric import plan
+    from testbed.faults import FaultError, parse_faults, topology_names
+
+    try:
+        return parse_faults(texts, topology_names(plan(t)))
+    except FaultError as e:
+        _fail(str(e))
 
 
 def _demo_checkpoint() -> Path:

@@ -15,6 +15,13 @@ chunked (dualpath.scheduler.batching); a later chunk reads its past, hits and
 earlier chunks, back from the DE buffer. Decode engines batch every ready
 request themselves; the conductor keeps one decode outstanding per request.
 
+Faults (testbed/faults.py): a request whose engines or DE host agent die under it starts over
+as a new request to the scheduler (which no longer offers them), at most MAX_ATTEMPTS times; hit
+blocks that cannot be read (corrupt, missing, their server or the node's SNIC down, the node's
+host agent gone) are recomputed from the first of them, and its write-back repairs them; a
+write-back the store refuses (a full disk) leaves the request complete and its blocks unstored.
+What each request met is charged to the fault that explains it (FaultLog).
+
 Timestamps are the host's monotonic clock (shared by every process on this
 machine) minus the mode's start: testbed seconds. On an emulated clock one
 emulated second lasts `dilation` of them.
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 from dualpath.kv.buffers import ByteAllocator, OutOfSpace
@@ -37,9 +44,11 @@ from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
 from testbed.cluster import Cluster
+from testbed.faults import FaultLog
 from testbed.modes import MODES, connector_of  # MODES is re-exported here
 from testbed.scheduling import Router
 
+MAX_ATTEMPTS = 3  # tries of one request while processes die under it
 
 
 @dataclass
@@ -80,11 +89,21 @@ class RequestRecord:
     reread_bytes: int = 0  # KV read again by the DE because the PE's WRITE had not landed yet
     attention_s: float = 0.0  # the PE's layer compute time for this request (CPU time, see engines.prefill)
     error: str = ""
+    attempts: int = 1  # more than one: processes it depended on died, and it started over
+    faults: list[str] = field(default_factory=list)  # what it met, charged to which fault
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("prompt")
         return d
+
+
+# What one attempt at a request produces (reset before each): everything but who it is, its
+# prompt, arrival, the attempts and the faults it met.
+_ATTEMPT_FIELDS = {f.name: (f.default_factory() if callable(f.default_factory) else f.default)
+                   for f in fields(RequestRecord)
+                   if f.name not in ("request", "trajectory", "turn", "mode", "path", "prompt", "n_prompt", "gen_len",
+                                     "t_arrive", "attempts", "faults")}
 
 
 @dataclass
@@ -102,6 +121,10 @@ class PrefillJob:
     tags: list[str] = field(default_factory=list)
     first_token: int = -1
     t_first_token: float = 0.0  # host clock: the end of the pass that produced it
+    rid: str = ""  # the request's id for this attempt (the record's, or with a retry suffix)
+
+    def __post_init__(self) -> None:
+        self.rid = self.rid or self.rec.request
 
     def next_pass(self, n_new: int) -> dict:
         """The prefill_batch entry of this job's next pass. A later chunk reads its whole past
@@ -110,7 +133,7 @@ class PrefillJob:
         tag = f"/c{len(self.tags)}"
         self.tags.append(tag)
         reads = self.first_reads if first else (PastRead(self.dst, 0, self.n_past),)
-        return dict(request=self.rec.request, tokens=self.prompt[self.n_past:self.n_past + n_new],
+        return dict(request=self.rid, tokens=self.prompt[self.n_past:self.n_past + n_new],
                     n_past=self.n_past, mode=self.plan.connector, reads=[r.to_msg() for r in reads],
                     forward_past=self.plan.forward_past if first else 0,
                     past_crcs=None if first else self.crcs, tag=tag,
@@ -135,7 +158,8 @@ class PrefillJob:
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes, router: Router,
                  request_timeout_s: float = 120.0, on_record: Callable[[RequestRecord], None] | None = None,
-                 cost_model: AttentionCostModel | None = None, quota_s: float = 0.3):
+                 cost_model: AttentionCostModel | None = None, quota_s: float = 0.3,
+                 faults: FaultLog | None = None):
         """`cost_model` packs the PEs' passes under `quota_s` (both in the engines' time: the
         target's seconds on an emulated clock); None packs every waiting request into one pass."""
         if mode not in MODES:
@@ -143,7 +167,9 @@ class Conductor:
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
         self.timeout_s = request_timeout_s
         self.on_record = on_record or (lambda r: None)
-        self.stored: set[str] = set()
+        self.stored: set[str] = set()  # blocks a request may count as hits
+        self.persisted: set[str] = set()  # blocks the store acknowledged (oracle: none)
+        self.faults = faults if faults is not None else FaultLog()
         self.buffers = {n: ByteAllocator(cluster.buffer_bytes, f"{n} DRAM buffer", align=64)
                         for n, p in cluster.procs.items() if p.role == "host"}
         self._space = asyncio.Condition()
@@ -181,39 +207,87 @@ class Conductor:
 
     # -- one request ---------------------------------------------------------------------------
     async def request(self, rec: RequestRecord, prompt: list[int], gen_len: int) -> RequestRecord:
-        g, c = self.geom, self.c
-        fb = g.full_block_bytes
+        """One turn, retried (as a new request to the scheduler) while a process it depended on
+        died under it, at most MAX_ATTEMPTS times and not after request_timeout_s; an error
+        names the request and the faults it met."""
         rec.t_arrive = self._now()
         rec.prompt, rec.gen_len, rec.n_prompt = prompt, gen_len, len(prompt)
-        keys, n_hit_blocks = match_prefix(prompt, self.stored, g, self.ns)
+        give_up = rec.t_arrive + self.timeout_s
+        for attempt in range(MAX_ATTEMPTS):
+            rec.attempts = attempt + 1
+            rid = rec.request if attempt == 0 else f"{rec.request}~{attempt}"
+            if not await self._attempt(rec, rid, prompt, gen_len):
+                break
+            if attempt + 1 == MAX_ATTEMPTS or self._now() > give_up:
+                rec.error = f"gave up after {attempt + 1} attempts: {rec.error}"
+                break
+        if rec.error:
+            if self.faults:
+                self.faults.failed(rec, self._now())
+            met = self.faults.label_of(rec) if self.faults else ""
+            if not rec.error.startswith(f"request {rec.request}"):
+                rec.error = f"request {rec.request}: {rec.error}"
+            if met:
+                rec.error += f" (fault {met})"
+        self.on_record(rec)
+        return rec
+
+    def _hits(self, rec: RequestRecord, n_hit_blocks: int) -> None:
+        g = self.geom
         rec.n_hit = n_hit_blocks * g.block_size
-        rec.n_miss = len(prompt) - rec.n_hit
+        rec.n_miss = rec.n_prompt - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = kv_bytes(g, rec.n_hit), kv_bytes(g, rec.n_miss)
+
+    def _dead(self, *names: str) -> list[str]:
+        return [n for n in names if n and not self.c.procs[n].alive()]
+
+    async def _attempt(self, rec: RequestRecord, rid: str, prompt: list[int], gen_len: int) -> bool:
+        """One try at a request; True: try again (a process it depended on died), with
+        rec.error saying why. Without faults the first try is the only one."""
+        g, c = self.geom, self.c
+        fb = g.full_block_bytes
+        for name, value in _ATTEMPT_FIELDS.items():  # what an earlier try produced is gone
+            setattr(rec, name, list(value) if isinstance(value, list) else value)
+        keys, n_hit_blocks = match_prefix(prompt, self.stored, g, self.ns)
+        self._hits(rec, n_hit_blocks)
         try:
-            route = await self.router.route(Request(rec.request, len(prompt), rec.n_hit, rec.n_miss, rec.t_arrive),
+            route = await self.router.route(Request(rid, len(prompt), rec.n_hit, rec.n_miss, self._now()),
                                             self.timeout_s)
         except (asyncio.TimeoutError, ControlError) as e:
             rec.error = str(e) or f"no engine admitted the request within {self.timeout_s:g} s"
             rec.t_done = self._now()
-            self.on_record(rec)
-            return rec
+            return False
         rec.t_routed = self._now()
-        plan = plan_request(rec.request, prompt, gen_len, keys, n_hit_blocks, route, g, self.connector,
-                            c.host_of(route.pe), c.host_of(route.de))
-        rec.pe, rec.de, rec.path = route.pe, route.de, route.path if plan.moves_kv else "none"
-        rec.pe_node, rec.de_node = plan.pe_node, plan.de_node
-        rec.pe_hit_bytes = kv_bytes(g, plan.pe_blocks * g.block_size)
+        rec.pe, rec.de = route.pe, route.de
+        de_host = c.host_of(route.de)
+        if dead := self._dead(route.pe, route.de, de_host):  # decided before it died
+            rec.error = f"{dead[0]} exited"
+            self.faults.process_died(rec, dead[0], self._now(), f"routed to {dead[0]}, which had exited: retried")
+            return True
+        if route.avoided:
+            self.faults.avoided(rec, route.avoided, self._now())
+        plan = plan_request(rid, prompt, gen_len, keys, n_hit_blocks, route, g, self.connector,
+                            c.host_of(route.pe), de_host)
         held: dict[str, tuple[str, int]] = {}  # area name -> (node, offset) while allocated
         try:
             for area in plan.areas:
                 held[area.name] = (area.node, await self._alloc(area))
             off = {name: o for name, (_, o) in held.items()}
+            n_ok = await self._read_hits(rec, plan, off)
+            if n_ok < plan.n_hit_blocks:  # the rest of the hits is recomputed: a plan with fewer
+                plan = plan_request(rid, prompt, gen_len, keys, n_ok,
+                                    replace(route, pe_blocks=min(route.pe_blocks, n_ok)), g, self.connector,
+                                    plan.pe_node, plan.de_node)
+                self._hits(rec, n_ok)
+            rec.path = route.path if plan.moves_kv else "none"
+            rec.pe_node, rec.de_node = plan.pe_node, plan.de_node
+            rec.pe_hit_bytes = kv_bytes(g, plan.pe_blocks * g.block_size)
             dst = Span(plan.de_node, "buf", off["de"]) if plan.moves_kv else None
             reads = tuple(PastRead(Span(held[p.area][0], "buf", off[p.area]), p.first, p.n) for p in plan.past)
-            await self._read_hits(rec, plan, off)
             rec.t_prefill_start = self._now()
             job = await self._prefill(rec.pe, PrefillJob(rec, plan, prompt, reads, dst,
-                                                         asyncio.get_running_loop().create_future(), n_past=rec.n_hit))
+                                                         asyncio.get_running_loop().create_future(), n_past=rec.n_hit,
+                                                         rid=rid))
             rec.t_first_token = job.t_first_token - self.t0
             if plan.moves_kv:  # the notifications follow the PE's WRITEs: then the layers have landed
                 await c.jobs[plan.de_node].call(
@@ -226,7 +300,7 @@ class Conductor:
                 held["wb"] = (plan.de_node, await self._alloc(plan.writeback))
                 wb = Span(plan.de_node, "buf", held["wb"][1])
             dec = await c.jobs[rec.de].call(
-                "decode", request=rec.request, n_prompt=len(prompt), first_token=job.first_token,
+                "decode", request=rid, n_prompt=len(prompt), first_token=job.first_token,
                 t_first_token=job.t_first_token, gen_len=gen_len, src=dst.to_msg() if dst else None,
                 wb=wb.to_msg() if wb else None, first_new_block=plan.first_new_block,
                 expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
@@ -243,32 +317,77 @@ class Conductor:
                 await c.jobs[plan.de_node].call(
                     "wait_notifs", peer=rec.de, msgs=[plan.writeback_notif(b) for b in dec["written_blocks"]],
                     timeout_s=self.timeout_s)
-                await c.jobs[plan.de_node].call("flush", keys=written, offset=held["wb"][1], crcs=dec["block_crcs"],
-                                                timeout_s=self.timeout_s)
+                res = await c.jobs[plan.de_node].call("flush", keys=written, offset=held["wb"][1],
+                                                      crcs=dec["block_crcs"], timeout_s=self.timeout_s)
                 rec.writeback_bytes = len(written) * fb
-                self.stored.update(written)
+                kept = [k for k, ok in zip(written, res.get("stored", [True] * len(written))) if ok]
+                if len(kept) < len(written):  # not persisted: later turns recompute those blocks
+                    codes = {v.split(":", 1)[0] for v in res.get("errors", {}).values()}
+                    self.faults.flush_failed(rec, plan.de_node, codes, self._now(),
+                                             f"{len(written) - len(kept)} of {len(written)} blocks not persisted "
+                                             f"({', '.join(sorted(codes))}): recomputed by later turns")
+                elif res.get("retries"):
+                    self.faults.store_retried(rec, plan.de_node, self._now(), "write-back retried the store")
+                self.stored.update(kept)
+                self.persisted.update(kept)
+                self.faults.stored(kept, self._now())
             rec.t_done = self._now()
+            rec.error = ""
         except (ControlError, OutOfSpace) as e:
             rec.error = str(e)
             rec.t_done = self._now()
+            if isinstance(e, ControlError) and (dead := self._dead(route.pe, route.de, de_host)):
+                self.faults.process_died(rec, dead[0], self._now(), f"{dead[0]} exited during the request: retried")
+                return True
         finally:
             for node, o in held.values():
                 await self._free(node, o)
-        self.on_record(rec)
-        return rec
+        return False
 
-    async def _read_hits(self, rec: RequestRecord, plan: RequestPlan, off: dict[str, int]) -> None:
-        """The plan's loads from the store, every side at once (a split reads both)."""
+    async def _read_hits(self, rec: RequestRecord, plan: RequestPlan, off: dict[str, int]) -> int:
+        """The plan's loads from the store, every side at once (a split reads both). Returns how
+        many leading hit blocks are in place: a block that could not be read (missing, corrupt,
+        its server or the node's SNIC down, the node's host agent gone) and all after it are
+        recomputed instead; a missing or corrupt one is no longer counted as stored (its
+        write-back by this request repairs it)."""
         fb = self.geom.full_block_bytes
 
-        async def load(x: Load) -> None:
-            await self.c.loaders[x.node].call("load", keys=list(x.keys), offset=off[x.area] + x.first_block * fb,
-                                              timeout_s=self.timeout_s)
+        async def load(x: Load) -> int:
+            try:
+                res = await self.c.loaders[x.node].call("load", keys=list(x.keys), offset=off[x.area] + x.first_block * fb,
+                                                        timeout_s=self.timeout_s)
+            except ControlError as e:
+                dead = bool(self._dead(x.node))
+                if dead and x.node == plan.de_node:
+                    raise  # its buffer is gone with it: the request must start over elsewhere
+                self.faults.load_failed(rec, x.node, set(), self._now(),
+                                        f"load on {x.node} failed ({e}): recomputed", dead)
+                return 0
+            if res.get("failed_at", -1) < 0:
+                self.faults.load_ok(x.node, self._now())
+                if res.get("retries"):
+                    self.faults.store_retried(rec, x.node, self._now(), f"load on {x.node} retried the store")
+                return len(x.keys)
+            errors = res.get("errors", {})
+            codes = {v.split(":", 1)[0] for v in errors.values()}
+            for k, v in errors.items():
+                if v.startswith(("missing", "corrupt")):
+                    self.stored.discard(k)
+            self.faults.load_failed(rec, x.node, codes, self._now(),
+                                    f"{len(errors)} block(s) on {x.node} unreadable ({', '.join(sorted(codes))}): "
+                                    f"recomputed from block {x.first_block + res['failed_at']}", False)
+            return res["failed_at"]
 
-        if plan.loads:
-            rec.t_read_start = self._now()
-            await asyncio.gather(*(load(x) for x in plan.loads))
-            rec.t_read_end = self._now()
+        if not plan.loads:
+            return plan.n_hit_blocks
+        rec.t_read_start = self._now()
+        got = await asyncio.gather(*(load(x) for x in plan.loads))
+        rec.t_read_end = self._now()
+        n_ok = plan.n_hit_blocks
+        for x, k in zip(plan.loads, got):
+            if k < len(x.keys):
+                n_ok = min(n_ok, x.first_block + k)
+        return n_ok
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -277,8 +396,8 @@ class Conductor:
     async def _prefill(self, pe: str, job: PrefillJob) -> PrefillJob:
         """Queue the job on its PE; returns once its last pass is done."""
         q = self._queues.setdefault(pe, PrefillQueue(self.cost_model, self.quota_s))
-        q.push(job.rec.request, job.n_past, len(job.prompt) - job.n_past)
-        self._jobs[job.rec.request] = job
+        q.push(job.rid, job.n_past, len(job.prompt) - job.n_past)
+        self._jobs[job.rid] = job
         if pe not in self._batchers:
             self._batchers[pe] = asyncio.ensure_future(self._batcher(pe))
         return await job.fut

@@ -27,12 +27,15 @@ from testbed.collectives import collective_stats
 from testbed.conductor import MODES, Conductor, RequestRecord
 from testbed.modes import PATH_POLICY
 from testbed.fabric import Fabric
+from testbed.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector, lost_blocks
+from dualpath.store.keys import chain_keys
+from dualpath.control import ControlError
 from testbed.fidelity import link_use, verdict as fidelity_verdict
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import CPU_SATURATED, Monitor
 from testbed.runclock import RunClock
 from testbed.topology import Topology
-from testbed.scheduling import ServiceRouter
+from testbed.scheduling import STALE_AFTER_S, ServiceRouter
 
 TOLERANCE = 0.02  # measured KV bytes per NIC vs the per-path counts
 # Tokens per Full Block in runs. Every Layer Block is one descriptor of a READ, and the
@@ -72,10 +75,14 @@ class ModeResult:
     dscp: dict = field(default_factory=dict)  # per namespace, bytes and packets it sent per DSCP class
     counters_s: float = 0.0  # testbed seconds between the counters' two snapshots
     rdma: dict | None = None  # transport rdma: the rxe counters' proof (dualpath.transport.rdma.prove)
+    fault_log: FaultLog | None = None  # a run with --fault: what each fault did
+    lost: dict = field(default_factory=dict)  # fault label -> blocks acknowledged before it that did not read back
+    wrong_tokens: dict = field(default_factory=dict)  # request -> generated tokens unlike recomputation
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
-              namespace: bytes, progress: Callable[[str], None], quota_s: float, clock: "RunClock") -> ModeResult:
+              namespace: bytes, progress: Callable[[str], None], quota_s: float, clock: "RunClock",
+              faults: tuple[FaultSpec, ...] = (), seed: int = 0) -> ModeResult:
     recs: list[RequestRecord] = []
     arrivals: dict[int, float] = {}  # trajectory -> when its agent arrived (testbed s)
     done = [0]
@@ -91,29 +98,60 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
         router = _router(cluster, fab, geom, mode, clock)
         await router.start()
         co = Conductor(cluster, geom, mode, namespace, router, on_record=on_record,
-                       cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s)
+                       cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s, faults=log)
         sent0 = cluster.control_bytes()
+        injector = inject = None
         try:
             warm = await co.warm(workload.system_prompt)
             if warm.error:
                 raise RuntimeError(f"warm-up failed: {warm.error}")
             t0 = co._now()
+            if log:  # the faults count from the mode's first request
+                injector = Injector(log, cluster, fab, co, clock.dilation, seed,
+                                    chain_keys(list(workload.system_prompt), geom.block_size, namespace=namespace),
+                                    progress)
+                inject = asyncio.ensure_future(injector.run(t0))
             per = await asyncio.gather(*[  # offline: every agent at t0; online: at its arrival time
                 co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns],
                               start_at=t0 + (t.arrival_s or 0.0))
                 for t in workload.trajectories])
         finally:
+            if inject is not None:  # faults due after the last request are not injected (and say so)
+                inject.cancel()
+                await asyncio.gather(inject, return_exceptions=True)
+            if injector is not None:
+                await injector.heal()
             await router.stop()
+        if log:  # every block acknowledged before a fault must read back whole
+            roots = [s.root for s in cluster.stores]
+            for f in log.faults:
+                if f.t_injected is not None:
+                    bad = lost_blocks(roots, f.acked_before)
+                    lost[f.label] = len(bad)
+                    if bad:
+                        f.detail["lost_examples"] = bad[:3]
         for p in per:
             recs.extend(p)
         t1 = max(r.t_done for r in recs)
         arrivals.update({t.id: t0 + (t.arrival_s or 0.0) for t in workload.trajectories})
         app = cluster.control_bytes() - sent0
+        async def each(names: list[str], cmd: str, key: str) -> dict[str, list]:
+            out = {}
+            for n in names:  # a process a fault killed has nothing to say
+                if cluster.procs[n].alive():
+                    try:
+                        out[n] = (await cluster.clients[n].call(cmd))[key]
+                    except ControlError:
+                        pass
+            return out
+
         steps = [{**x, "de": de, "t_start": x["t_start"] - co.t0, "t_end": x["t_end"] - co.t0}
-                 for de in cluster.engines("decode") for x in (await cluster.clients[de].call("steps"))["steps"]]
-        loads = {h: (await cluster.clients[h].call("read_log"))["loads"] for h in cluster.loaders}
+                 for de, xs in (await each(cluster.engines("decode"), "steps", "steps")).items() for x in xs]
+        loads = await each(list(cluster.loaders), "read_log", "loads")
         return t1 - t0, warm, app, co, router.stats(), (co.t0 + t0, co.t0 + t1), steps, loads
 
+    log = FaultLog(list(faults)) if faults else None
+    lost: dict[str, int] = {}
     devs = [n.bridge_dev for n in fab.nics]
     before = counters.snapshot(fab)
     dscp0 = counters.dscp_counters(fab)
@@ -142,6 +180,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     if fab.transport == "rdma" and mode != "oracle":  # the oracle moves no KV: nothing to prove
         res.rdma = rdma_proof(fab, snap, expected)
+    res.fault_log, res.lost = log, lost
     return res
 
 
@@ -185,7 +224,7 @@ def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock
                       prefill_tokens_per_s=clock.prefill_tokens_per_s or cluster.prefill_tokens_per_s,
                       kv_bytes_per_token=kv_per_token, block_tokens=geom.block_size)
     sched = Scheduler(profile, path_policy=PATH_POLICY[mode], alpha_s=PAPER_ALPHA_S * clock.dilation,
-                      beta_s=PAPER_BETA_S)
+                      beta_s=PAPER_BETA_S, stale_after_s=STALE_AFTER_S)
     return ServiceRouter(cluster, sched, CONDUCTOR_IP)
 
 
@@ -252,6 +291,7 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
             if r.error:
                 continue
             v = verdicts[(mi, ri)]
+            res.wrong_tokens[r.request] = v.wrong_tokens
             n += 1
             tok += v.tokens_match
             if v.pe_kv_match is not None:
@@ -270,27 +310,48 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
             progress: Callable[[str], None] = print, transport: str = "tcp",
-            quota_s: float = 0.3) -> list[ModeResult]:
+            quota_s: float = 0.3, faults: tuple[FaultSpec, ...] = (), seed: int = 0) -> list[ModeResult]:
+    """Every mode on one cluster; with `faults`, every mode on a fresh cluster of its own (a
+    fault kills processes and fills disks: the next mode must not inherit that), each mode
+    getting every fault."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
     geom = run_geometry(checkpoint, block_size)
     clock = RunClock.of(fab.topo, geom)
-    results = []
-    t0 = time.monotonic()
-    with Cluster(fab, run_dir, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
-                 timing=clock.engine_timing(), collectives=clock.engine_collectives()) as cluster:
+    results: list[ModeResult] = []
+    tmpfs = {f.target: DISK_FULL_TMPFS_BYTES for f in faults if f.kind == "disk-full"}
+
+    def cluster_for(folder: Path) -> Cluster:
+        return Cluster(fab, folder, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
+                       timing=clock.engine_timing(), collectives=clock.engine_collectives(),
+                       tmpfs_stores=tmpfs)
+
+    def up(cluster: Cluster) -> None:
+        t0 = time.monotonic()
         cluster.run(cluster.connect())
         progress(f"  cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.procs)} node processes, "
                  f"{len(cluster.stores)} storage server(s); transport {sorted(set(cluster.transports.values()))[0].split(' via ')[0]}")
+
+    def one(cluster: Cluster, mode: str) -> None:
+        progress(f"  mode {mode}" + (f" with {len(faults)} fault(s)" if faults else ""))
+        ns = f"{run_dir.name}/{mode}".encode()[:64]
+        results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress, quota_s, clock, faults, seed))
+        r = results[-1]
+        progress(f"    {mode}: {'FAITHFUL' if r.faithful else 'UNFAITHFUL'}, JCT {clock.to_emulated(r.jct_s):.2f} s "
+                 f"emulated ({r.jct_s:.1f} s here), CPU busy {r.cpu_busy:.0%}")
+        r.transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
+
+    if not faults:
+        with cluster_for(run_dir) as cluster:
+            up(cluster)
+            for mode in modes:
+                one(cluster, mode)
+    else:
         for mode in modes:
-            progress(f"  mode {mode}")
-            ns = f"{run_dir.name}/{mode}".encode()[:64]
-            results.append(_run_mode(cluster, fab, geom, workload, mode, ns, progress, quota_s, clock))
-            r = results[-1]
-            progress(f"    {mode}: {'FAITHFUL' if r.faithful else 'UNFAITHFUL'}, JCT {clock.to_emulated(r.jct_s):.2f} s "
-                     f"emulated ({r.jct_s:.1f} s here), CPU busy {r.cpu_busy:.0%}")
-            results[-1].transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
+            with cluster_for(run_dir / mode) as cluster:
+                up(cluster)
+                one(cluster, mode)
     verify(results, checkpoint, geom, progress)
     return results
 
@@ -349,6 +410,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "forward_attention_all_steps": forward_balance(res.batches, loaded_only=False),
             "forward_batches": len(res.batches),
             "chunked_requests": sum(r.passes > 1 for r in ok),
+            "retried_requests": sum(r.attempts > 1 for r in res.records),
             "scheduler": res.scheduler,
             "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
             "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
@@ -370,6 +432,13 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         if coll is not None:  # only a topology with `collectives: on` has this block
             coll["model_class_tx_bytes"] = sum(v[MODEL.name][0] for v in res.dscp.values())
             out["modes"][res.mode]["collectives"] = coll
+    for res in results:
+        if res.fault_log is not None:
+            m = out["modes"][res.mode]
+            m["faults"] = res.fault_log.summary(res.records, res.wrong_tokens, res.lost, k)
+            m["faults_unattributed"] = res.fault_log.unattributed[:20]
+            m["kv_bytes_vs_expected"]["note"] = ("a run with faults: bytes of attempts that were retried and of "
+                                                 "reads that were discarded are not in the expected counts")
     speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     proofs = [r.rdma for r in results if r.rdma is not None]
     if proofs:  # transport rdma: proven only when every mode that moved KV proved it
@@ -496,8 +565,10 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
 
 def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir: Path, command: str,
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
-                  quota_s: float = 0.3, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One `dualpath run`: bring the topology up, run every mode, tear down, and write
+                  quota_s: float = 0.3, extra: dict[str, Any] | None = None,
+                  faults: tuple[FaultSpec, ...] = ()) -> dict[str, Any]:
+    """One `dualpath run`: bring the topology up, run every mode (each with `faults`, seeded by
+    the workload's seed), tear down, and write
     run_dir/{summary.json, records.jsonl, passes.jsonl, steps.jsonl, links.jsonl, report.md}.
     Returns the summary. The scratch folder (logs, the store's disk) is removed only once the
     results are written, so a failed run keeps its logs."""
@@ -516,8 +587,15 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     with Fabric(topo, transport) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
-                          hbm_bytes=int(spec.hbm_gib_per_engine * 2**30))
+                          hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
+                          seed=workload.config.seed)
     summary = summarize(results, workload, geom, topo)
+    if faults:
+        summary["fault_injection"] = {
+            "faults": [f.text for f in faults], "seed": workload.config.seed,
+            "time": "T and every *_s of a fault are emulated seconds after the mode's first request "
+                    f"(x {RunClock.of(topo, geom).dilation:.3g} on the testbed's clock)",
+            "store_restart_after_s": RESTART_DELAY_S, "disk_full_for_s": DISK_FULL_S}
     summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
                     "checkpoint": str(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len,

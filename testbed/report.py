@@ -99,6 +99,7 @@ def e2e_lines(summary: dict) -> list[str]:
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
     lines.extend(_balance_lines(summary))
     lines.extend(conversation_lines(summary))
+    lines.extend(fault_lines(summary))
     return lines
 
 
@@ -114,6 +115,24 @@ def conversation_lines(summary: dict) -> list[str]:
         lines.append(f"  turn {t['turn']}  in:  {t['input']}")
         lines.append(f"  {'':<6} out: {t['output']}")
     return lines
+
+
+def fault_lines(summary: dict) -> list[str]:
+    """A run with --fault: per mode and fault, what it affected and how the cluster came through."""
+    rows = [(mode, f) for mode, m in summary["modes"].items() for f in m.get("faults", [])]
+    if not rows:
+        return []
+    out = ["faults (emulated s after the mode's first request; recovery: to the end of the last request it affected)",
+           f"  {'mode':<14} {'fault':<28} {'affected':>8} {'completed':>9} {'failed':>6} {'wrong tok':>9} "
+           f"{'lost blk':>8} {'recovery s':>10}"]
+    for mode, f in rows:
+        rec = "-" if f.get("recovery_s") is None else f"{f['recovery_s']:.2f}"
+        name = f"{f['kind']}:{f['target']}@{f['at_s']:g}" + ("" if f.get("injected", True) else " (not injected)")
+        out.append(f"  {mode:<14} {name:<28} {f['affected']:>8} {f['completed']:>9} {f['failed']:>6} "
+                   f"{f['wrong_tokens']:>9} {f['lost_blocks']:>8} {rec:>10}")
+        for e in f.get("errors", [])[:2]:
+            out.append(f"      error: {e[:160]}")
+    return out
 
 
 def _balance_lines(summary: dict) -> list[str]:

@@ -24,6 +24,7 @@ class Verdict:
     tokens_match: bool
     pe_kv_match: bool | None  # None: nothing loaded (no hit, or oracle)
     de_kv_match: bool | None
+    wrong_tokens: int = 0  # generated tokens unlike the recomputation's (a missing or extra one counts)
 
 
 def _layer_hashes(kv, geom: BlockGeometry, n: int) -> list[str]:
@@ -79,7 +80,8 @@ class Reference:
         ref_tokens, kv = self.run(prompt, gen_len)
         pe = _layer_hashes(kv, self.geom, n_hit) == pe_hashes if pe_hashes else None
         de = _layer_hashes(kv, self.geom, len(prompt)) == de_hashes if de_hashes else None
-        return Verdict(ref_tokens == tokens, pe, de)
+        wrong = sum(a != b for a, b in zip(ref_tokens, tokens)) + abs(len(ref_tokens) - len(tokens))
+        return Verdict(ref_tokens == tokens, pe, de, wrong)
 
 
 _REFERENCES: dict[str, Reference] = {}  # per process: one model per checkpoint
