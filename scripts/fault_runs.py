@@ -89,6 +89,8 @@ def main() -> int:
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     ap.add_argument("--out", default=str(REPO / "results" / "faults"))
+    ap.add_argument("--not-after", type=float, default=0.0,
+                    help="Unix time after which no further run starts (0: none); the table has those done")
     args = ap.parse_args()
     names = [n for n in args.runs.split(",") if n]
     if bad := [n for n in names if n not in RUNS]:
@@ -96,6 +98,9 @@ def main() -> int:
         return 2
     rows = []
     for n in names:
+        if args.not_after and time.time() > args.not_after:
+            print(f"not started (--not-after): {n}", flush=True)
+            continue
         rows.append(one(n, RUNS[n], args))
         print("\n".join(table(rows[-1:])[2:]), flush=True)
     lines = table(rows)

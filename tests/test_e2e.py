@@ -79,8 +79,8 @@ def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):
     assert summary["modes"]["dualpath"]["peak_hit_kv_layers_in_hbm"]["max"] <= 2
 
 
-def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpoint, workload, tmp_path,
-                                                                         no_leftovers):
+def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_cleanly(checkpoint, workload, tmp_path,
+                                                                                   no_leftovers):
     geom = run_geometry(checkpoint)
     with Fabric(load_topology(TOPO)) as fab, \
             Cluster(fab, tmp_path, checkpoint, geom, 64 << 20, 64 << 20) as cluster:
@@ -111,9 +111,13 @@ def test_killing_a_decode_engine_mid_transfer_fails_its_requests_cleanly(checkpo
         t0 = time.monotonic()
         recs = [r for per in cluster.run(go()) for r in per]
         assert time.monotonic() - t0 < 120  # no hang
-        failed = [r for r in recs if r.error]
-        assert failed and all("dpt-d0e0" in r.error for r in failed)
-        assert all(not r.tokens for r in failed)  # a failed request returns no tokens
+        # a request the kill caught starts over on the live decode engine (issue 14), or fails alone
+        # naming it; none is left without a word
+        hit = [r for r in recs if r.attempts > 1 or r.error]
+        assert hit, "the kill caught no request"
+        assert all("dpt-d0e0" in (r.error or " ".join(r.faults)) for r in hit), [(r.error, r.faults) for r in hit]
+        assert all(r.de != "dpt-d0e0" for r in recs if not r.error and r.attempts > 1)  # retried elsewhere
+        assert all(not r.tokens for r in recs if r.error)  # a failed request returns no tokens
         # what completed is right
         from testbed.verify import Reference
         ref = Reference(str(checkpoint), geom)
