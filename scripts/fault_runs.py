@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from testbed.cleanup import find_leftovers  # noqa: E402
 
 RUNS = {  # name -> the --fault values of its run (T: emulated seconds after the first request)
-    "snic": ["snic-down@1", "snic-up@4"],
+    "snic": ["snic-down@0.5", "snic-up@1.5"],  # a mode of 4 trajectories lasts about 3 emulated s
     "store-crash": ["store-crash@1"],
     "host-kill": ["host-kill@1"],  # the prefill node's agent (the default target)
     "pe-kill": ["pe-kill@1"],

@@ -336,7 +336,10 @@ class Conductor:
         except (ControlError, OutOfSpace) as e:
             rec.error = str(e)
             rec.t_done = self._now()
-            if isinstance(e, ControlError) and (dead := self._dead(route.pe, route.de, de_host)):
+            # the PE's host agent too: a PE-side read from its buffer dies with it, and the retry
+            # reads by the DE path (the scheduler sees that node's SNIC down)
+            dead = self._dead(route.pe, route.de, de_host, c.host_of(route.pe))
+            if isinstance(e, ControlError) and dead:
                 self.faults.process_died(rec, dead[0], self._now(), f"{dead[0]} exited during the request: retried")
                 return True
         finally:
