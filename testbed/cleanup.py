@@ -3,9 +3,11 @@
 Leftovers are namespaces named dpt-*, links and bridges named dpt-* in the root
 namespace (with their qdiscs), nft tables named dpt_* in the root namespace,
 Mininet shells tagged mininet:dpt-*, any process living in one of those
-namespaces, and the tmpfs mounts of store roots (source dpt-store, under a run's
-/var/tmp/dpt-run-* scratch folder). Nothing else is ever touched: no process is
-matched by a broad name.
+namespaces, the tmpfs mounts of store roots (source dpt-store, under a run's
+/var/tmp/dpt-run-* scratch folder), and the run directory of a testbed
+(testbed/rundir.py) with its detached runner, which is known by the pid and start
+time recorded there. Nothing else is ever touched: no process is matched by a
+broad name.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.naming import PREFIX
+from testbed import rundir
 from testbed.shell import run
 
 NETNS_DIR = Path("/run/netns")
@@ -35,6 +38,7 @@ class Leftovers:
     nft_tables: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
+    run_dirs: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not any(vars(self).values())
@@ -96,7 +100,11 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
         ino = _ns_inode(Path(f"/proc/{pid}/ns/net"))
         if ino is not None and here is not None and ino != here:
             inodes.add(ino)
-    left.processes = sorted(set(_our_processes(inodes)) - (exclude_pids or set()))
+    runner = _detached_runner()
+    left.processes = sorted((set(_our_processes(inodes)) | ({runner.pid} if runner else set()))
+                            - (exclude_pids or set()))
+    if rundir.RUN_DIR.exists():
+        left.run_dirs.append(str(rundir.RUN_DIR))
     for link in json.loads(run(["ip", "-j", "-d", "link", "show"]) or "[]"):
         name = link.get("ifname", "")
         if not name.startswith(f"{PREFIX}-"):
@@ -116,15 +124,21 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
 def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftovers:
     """Remove all leftovers; return what was found before removal."""
     found = find_leftovers(exclude_pids)
-    _kill(found.processes)
-    for ns in found.namespaces:
+    rest = found
+    runner = _detached_runner()
+    if runner is not None and runner.pid not in (exclude_pids or set()):
+        stop_runner(runner)  # it tears its own testbed down; whatever it could not is swept below
+        rest = find_leftovers(exclude_pids)
+    _kill(rest.processes)
+    for ns in rest.namespaces:
         run(["ip", "netns", "del", ns], check=False)
-    for name in found.links + found.bridges:
+    for name in rest.links + rest.bridges:
         run(["ip", "link", "del", name], check=False)  # the peer end goes with it
-    for table in found.nft_tables:
+    for table in rest.nft_tables:
         run(["nft", "delete", "table", *table.split()], check=False)
-    for m in found.mounts:  # before the scratch folders: rmtree must not empty a live mount
+    for m in rest.mounts:  # before the scratch folders: rmtree must not empty a live mount
         run(["umount", "-l", m], check=False)
+    rundir.release()
     scratch = sorted(Path("/var/tmp").glob(SCRATCH_GLOB))  # logs and store of failed runs
     for d in scratch:
         shutil.rmtree(d, ignore_errors=True)
@@ -132,6 +146,66 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         extra = f", {len(scratch)} scratch folder(s) of earlier runs" if scratch else ""
         print(f"dualpath clean: removed {found.summary()}{extra}")
     return found
+
+
+def _detached_runner() -> rundir.ProcRef | None:
+    """The live runner of a detached testbed, if the run directory records one.
+
+    Only a detached runner is ours to stop: a testbed owned through the Python API lives in
+    the user's own process (a test session, a script), which is never killed from outside."""
+    st = rundir.read()
+    if st is None or st.get("owner", {}).get("kind") != "detached":
+        return None
+    ref = rundir.owner(st)
+    return ref if ref.alive() else None
+
+
+def stop_runner(ref: rundir.ProcRef, timeout_s: float = 30.0) -> bool:
+    """SIGTERM a detached runner and wait until it has torn down and exited; SIGKILL it after
+    `timeout_s`. Returns True if it exited by itself."""
+    try:
+        os.kill(ref.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not ref.alive():
+            return True
+        time.sleep(0.02)
+    if ref.alive():  # re-checked: the pid must still be that runner
+        os.kill(ref.pid, signal.SIGKILL)
+    return False
+
+
+def remove_recorded(state: dict) -> list[str]:
+    """Remove exactly what a run directory's state records (after its owner died, or --force):
+    every process in its namespaces, its Mininet shells, its namespaces, bridges and links, and
+    the run directory. Returns what was removed, one word per item kind."""
+    names = [e["name"] for e in state.get("endpoints", [])]
+    removed = []
+    n = kill_processes_in(names)
+    shells = [rundir.ProcRef.from_dict(s) for s in state.get("mininet_shells", [])]
+    alive = [s.pid for s in shells if s.alive() and MININET_TAG in _cmdline(s.pid)]
+    _kill(alive)
+    if n or alive:
+        removed.append(f"{n + len(alive)} processes")
+    present = {p.name for p in NETNS_DIR.glob(f"{PREFIX}-*")} if NETNS_DIR.exists() else set()
+    gone = [ns for ns in names if ns in present]
+    for ns in gone:
+        run(["ip", "netns", "del", ns], check=False)
+    if gone:
+        removed.append(f"{len(gone)} namespaces")
+    links = [*state.get("bridges", []), *(n["bridge_dev"] for e in state.get("endpoints", []) for n in e["nics"])]
+    existing = {l.get("ifname") for l in json.loads(run(["ip", "-j", "link", "show"]) or "[]")}
+    dels = [l for l in links if l in existing]
+    for link in dels:
+        run(["ip", "link", "del", link], check=False)
+    if dels:
+        removed.append(f"{len(dels)} links")
+    if Path(state.get("run_dir", rundir.RUN_DIR)).exists():
+        rundir.release(Path(state.get("run_dir", rundir.RUN_DIR)))
+        removed.append("the run directory")
+    return removed
 
 
 def kill_processes_in(namespaces: list[str]) -> int:

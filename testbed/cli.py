@@ -46,9 +46,12 @@ def _topology(path: Optional[Path]):
 
 
 def _fabric(topo, transport: str = "tcp"):
+    from testbed import rundir
     from testbed.cleanup import find_leftovers
     from testbed.fabric import Fabric
 
+    if rundir.RUN_DIR.exists():  # a testbed is up (or its owner died): say which, not just "leftovers"
+        _fail(rundir.describe_busy(rundir.read()), code=1)
     left = find_leftovers()
     if not left.empty():
         _fail(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
@@ -72,9 +75,43 @@ def topo(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML")
 
 @app.command()
 def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
-       hold: float = typer.Option(0.0, help="seconds to keep it up (0: until Ctrl-C, at most 1 h)")) -> None:
-    """Bring a topology up, print its namespaces and NICs, tear it down on exit."""
+       hold: float = typer.Option(0.0, help="seconds to keep it up (0: until Ctrl-C, at most 1 h)"),
+       detach: bool = typer.Option(False, "--detach", help="return once it is up; it stays up until "
+                                   "`dualpath down` (see `dualpath status`, `dualpath exec`)"),
+       services: bool = typer.Option(False, "--services", help="with --detach: also start the store servers, "
+                                     "host agents and engines"),
+       checkpoint: Optional[Path] = typer.Option(None, help="with --services: the model the engines load "
+                                                 "(default: the tiny demo model)"),
+       as_json: bool = typer.Option(False, "--json", help="with --detach: print the state as JSON")) -> None:
+    """Bring a topology up and print its namespaces and NICs; hold it until Ctrl-C, or --detach."""
     _need_root()
+    if not detach:
+        for flag, given in (("--services", services), ("--json", as_json), ("--checkpoint", checkpoint)):
+            if given:
+                _fail(f"up: {flag} needs --detach (without it, up holds the fabric until Ctrl-C)")
+        _up_hold(topology, hold)
+        return
+    from testbed.api import TestbedError
+    from testbed.detach import lines, start_detached
+
+    t0 = time.monotonic()
+    try:
+        st = start_detached(topology or DEFAULT_TOPOLOGY, services, checkpoint)
+    except TestbedError as e:
+        _fail(str(e), code=1)
+    except TopologyError as e:
+        _fail(str(e))
+    took = time.monotonic() - t0
+    if as_json:
+        typer.echo(json.dumps({**st, "command_s": round(took, 3)}, indent=2))
+        return
+    for line in lines(st, "up"):
+        typer.echo(line)
+    typer.echo(f"up in {took:.2f}s (this command, start to return); `dualpath exec NODE -- CMD` runs in a "
+               f"namespace, `dualpath down` tears down")
+
+
+def _up_hold(topology: Path, hold: float) -> None:
     t = _topology(topology)
     t0 = time.monotonic()
     with _fabric(t) as fab:
@@ -86,6 +123,66 @@ def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
                    "Ctrl-C tears down")
         time.sleep(hold if hold > 0 else 3600)
     typer.echo("torn down")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="print the state as JSON")) -> None:
+    """Show the testbed that is up (started by `dualpath up --detach` or the Python API)."""
+    from testbed.detach import lines, status as get_status
+
+    st, what = get_status()
+    if as_json:
+        typer.echo(json.dumps({"status": what, **(st or {})}, indent=2))
+    elif st is None:
+        typer.echo("nothing is up" if what == "down" else "a testbed is starting")
+    else:
+        for line in lines(st, what):
+            typer.echo(line)
+        if what == "dead":
+            typer.echo("  its owner is gone: `dualpath down` removes what it left")
+    raise typer.Exit(0 if what == "up" else 1)
+
+
+@app.command()
+def down(force: bool = typer.Option(False, "--force", help="also remove a testbed whose owner is a live "
+                                    "process using the Python API (it is removed from under it)")) -> None:
+    """Tear down the testbed that `dualpath up --detach` started (or what a dead owner left)."""
+    _need_root()
+    from testbed.api import TestbedError
+    from testbed.detach import down as do_down
+
+    try:
+        typer.echo(f"dualpath down: {do_down(force=force)}")
+    except TestbedError as e:
+        _fail(str(e), code=1)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_cmd(node: str = typer.Argument(..., help="a namespace of the testbed: p0e0, d0, s0, ... (see status)"),
+             command: list[str] = typer.Argument(None, help="the command and its arguments (after --)"),
+             ucx: bool = typer.Option(False, "--ucx", help="set UCX_TLS, UCX_NET_DEVICES, UCX_MODULES and "
+                                      "UCX_TCP_PORT_RANGE so a NIXL/UCX program's bytes cross the node's NIC "
+                                      "in the kv class")) -> None:
+    """Run a command in a node's namespace of the testbed that is up: dualpath exec NODE -- CMD."""
+    _need_root()
+    from testbed.api import TestbedError
+    from testbed.detach import exec_argv, split_exec_args
+
+    try:
+        cmd, ucx_after = split_exec_args(list(command or []))
+        if not cmd:
+            _fail("exec: no command; usage: dualpath exec NODE -- CMD [ARGS...]")
+    except TestbedError as e:
+        _fail(str(e))  # a usage error
+    try:
+        argv, env = exec_argv(node, cmd, ucx or ucx_after)
+    except TestbedError as e:
+        _fail(str(e), code=1)
+    sys.stdout.flush()
+    try:
+        os.execvpe(argv[0], argv, env)  # its exit status is ours
+    except OSError as e:
+        _fail(f"exec: {e.strerror}: {argv[0]}", code=1)
 
 
 @app.command()
@@ -634,12 +731,9 @@ def _faults(t, texts: list[str]) -> list:
 
 
 def _demo_checkpoint() -> Path:
-    from dualpath.model.tiny import DEMO, make_tiny_checkpoint
+    from testbed.api import demo_checkpoint
 
-    path = Path(__file__).resolve().parent.parent / "build" / "checkpoints" / "tiny-qwen2-demo"
-    if not (path / "model.safetensors").exists():
-        make_tiny_checkpoint(path, seed=0, kind="qwen2", **DEMO)
-    return path
+    return demo_checkpoint()
 
 
 def main() -> None:
@@ -647,7 +741,6 @@ def main() -> None:
     # Ctrl-C must tear down even when started from a script in the background, where the
     # shell hands us SIGINT ignored (and Python then leaves it ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from testbed.cluster import ProcessFailed
     from testbed.shell import CommandError
 
     # typer (pinned) vendors click; its usage errors would print a multi-line box
@@ -670,7 +763,7 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("dualpath: interrupted; torn down", err=True)
         sys.exit(130)
-    except (CommandError, ProcessFailed, OSError, RuntimeError, TimeoutError, ValueError) as e:
+    except (CommandError, OSError, RuntimeError, TimeoutError, ValueError) as e:  # ProcessFailed too
         # Everything the run made is already torn down (context managers); say what failed.
         typer.echo(f"dualpath: error: {e}", err=True)
         sys.exit(1)

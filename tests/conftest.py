@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.store_helpers", "tests.smollm2_helpers"]  # the store tests' server fixtures; SmolLM2
+# the store tests' server fixtures; SmolLM2; the dualpath_testbed fixture (also an entry point of the
+# package: named here for a venv installed before it existed)
+pytest_plugins = ["tests.store_helpers", "tests.smollm2_helpers", "testbed.pytest_plugin"]
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "testbed.cli"]

@@ -1,0 +1,471 @@
+"""The testbed as a library: bring a topology up, use it from Python, tear it down.
+
+    from testbed import Testbed
+
+    with Testbed("topologies/1p1d.yaml", services=True) as tb:
+        tb.exec("p0e0", ["ip", "-br", "addr"])          # a command in an engine's namespace
+        tb.address("d0e0")                               # its CNIC's address
+        tb.store.put(key, block)                         # a ready store client
+        tb.agents["dpt-p0e0"]                            # each engine's transport agent name
+
+The fabric alone (services=False) is up in about a second; services add the store servers,
+host agents and engines (their own start-up time is in `tb.timings`). Teardown runs on
+leaving the `with` block, on an exception in it, on SIGTERM (turned into KeyboardInterrupt
+while the testbed is up, as the CLI does) and at interpreter exit; it ends every process in
+the testbed's namespaces, user processes started with `exec`/`popen` included.
+
+The state of a live testbed is recorded in one run directory (testbed/rundir.py), so the
+CLI sees it (`dualpath status`, `exec`, `down`) and a second testbed on the machine fails
+to start with a clear error. `Testbed.attach()` gives the same view of a testbed someone
+else owns (e.g. one `dualpath up --detach` started in an earlier CI step).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from testbed import rundir
+
+REPO = Path(__file__).resolve().parent.parent
+TOPOLOGIES = REPO / "topologies"
+DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
+# The root namespace's own addresses on the two bridges: the conductor's on the compute
+# network (testbed/cluster.py), and one on the storage network so that a store client in
+# the caller's process reaches the storage servers (through their shaped NICs).
+STORAGE_CLIENT_HOST = -2  # index in the storage network, like the conductor's in the compute one
+
+_live: list["Testbed"] = []  # owned testbeds still up, for the atexit safety net
+
+
+class TestbedError(RuntimeError):
+    """Something about the testbed is unusable; the message is one line saying what and why."""
+
+    __test__ = False  # not a pytest test class
+
+
+def resolve_topology(name: str | os.PathLike[str] | None) -> Path:
+    """A topology path, or the name of a shipped one ("1p1d" -> topologies/1p1d.yaml)."""
+    if name is None:
+        return DEFAULT_TOPOLOGY
+    p = Path(name)
+    if p.exists() or p.suffix in (".yaml", ".yml") or os.sep in str(name):
+        return p
+    shipped = TOPOLOGIES / f"{name}.yaml"
+    return shipped if shipped.exists() else p
+
+
+def demo_checkpoint() -> Path:
+    """The tiny deterministic demo model the services load unless told otherwise (made once)."""
+    from dualpath.model.tiny import DEMO, make_tiny_checkpoint
+
+    path = REPO / "build" / "checkpoints" / "tiny-qwen2-demo"
+    if not (path / "model.safetensors").exists():
+        make_tiny_checkpoint(path, seed=0, kind="qwen2", **DEMO)
+    return path
+
+
+class Testbed:
+    """A live emulated cluster: its fabric and, with `services=True`, its node processes.
+
+    Args:
+        topology: a topology YAML path or a shipped topology's name ("1p1d").
+        services: also start the store servers, host agents and engines (wired to each other).
+        checkpoint: the model the engines load (default: the tiny demo model).
+        transport: "tcp", or "rdma" (fails where the kernel has none, never falls back).
+    """
+
+    __test__ = False  # not a pytest test class, whatever module imports it
+
+    def __init__(self, topology: str | os.PathLike[str] | None = None, *, services: bool = False,
+                 checkpoint: str | os.PathLike[str] | None = None, transport: str = "tcp"):
+        from testbed.topology import load_topology
+
+        self.topology_path = resolve_topology(topology).resolve()
+        self.topo = load_topology(self.topology_path)  # TopologyError: one line, before anything is made
+        if transport not in ("tcp", "rdma"):
+            raise TestbedError(f"transport {transport!r} is not tcp or rdma")
+        self.services = services
+        self.checkpoint = Path(checkpoint) if checkpoint else None
+        self.transport = transport
+        self.run_dir = rundir.RUN_DIR
+        self.timings: dict[str, float] = {}
+        self.state: dict[str, Any] = {}
+        self.fabric: Any = None  # testbed.fabric.Fabric
+        self.cluster: Any = None  # testbed.cluster.Cluster
+        self._store: Any = None
+        self._owned = True
+        self._claimed = False
+        self._old_sigterm: Any = None
+        self.owner_kind = "api"  # the detached runner says "detached": `dualpath down` may stop it
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def up(self) -> "Testbed":
+        """Bring everything up; on any failure tear down what was made, then raise."""
+        self.claim()
+        try:
+            self.build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def claim(self) -> None:
+        """Take the machine's one run directory (TestbedError if a testbed is already up)."""
+        if os.geteuid() != 0:
+            raise TestbedError("the testbed needs root (it creates network namespaces and tc qdiscs); "
+                               "run with sudo")
+        try:
+            self.state = rundir.claim(self.owner_kind, self.topo.name, self.run_dir)
+        except rundir.RunDirBusy as e:
+            raise TestbedError(str(e)) from None
+        self._claimed = True
+        _live.append(self)
+
+    def build(self) -> None:
+        from testbed.cleanup import find_leftovers
+        from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, STORAGE_BRIDGE, STORAGE_NET, Fabric
+        from testbed.shell import run
+
+        left = find_leftovers(exclude_pids={os.getpid()})
+        left.run_dirs = []  # ours, just claimed
+        if not left.empty():
+            raise TestbedError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
+        self._catch_sigterm()
+        t0 = time.monotonic()
+        self.fabric = Fabric(self.topo, self.transport)  # rdma: an rxe device per namespace
+        self.fabric.up()
+        storage_ip = str(STORAGE_NET[STORAGE_CLIENT_HOST])
+        from testbed.cluster import CONDUCTOR_IP
+
+        run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
+                                         f"addr replace {storage_ip}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
+        self.timings["fabric_s"] = round(time.monotonic() - t0, 3)
+        self.state.update(self._fabric_state(CONDUCTOR_IP, storage_ip, [COMPUTE_BRIDGE, STORAGE_BRIDGE]))
+        self.state["phase"] = "fabric"
+        rundir.write(self.state, self.run_dir)  # from here `dualpath down` knows what to remove
+        if self.services:
+            t1 = time.monotonic()
+            self._start_services()
+            self.timings["services_s"] = round(time.monotonic() - t1, 3)
+        self.state.update({"phase": "up", "timings": dict(self.timings)})
+        rundir.write(self.state, self.run_dir)
+
+    def _start_services(self) -> None:
+        from testbed.cluster import CONTROL_PORT, Cluster
+        from testbed.experiment import run_geometry
+        from testbed.runclock import RunClock
+
+        ckpt = self.checkpoint or demo_checkpoint()
+        geom = run_geometry(ckpt)
+        spec = self.topo.spec
+        self.cluster = Cluster(self.fabric, self.run_dir, ckpt, geom, int(spec.dram_buffer_gib * 2**30),
+                               int(spec.hbm_gib_per_engine * 2**30), transport=self.transport,
+                               timing=RunClock.of(self.topo, geom).engine_timing())
+        self.cluster.start()
+        self.cluster.run(self.cluster.connect())
+        c = self.cluster
+        self.state["store"] = {"endpoints": [s.address_str for s in c.stores], "block_bytes": geom.full_block_bytes,
+                               "block_tokens": geom.block_size, "checkpoint": str(ckpt)}
+        # What each process is, for `dualpath status` (a `down` after this owner died needs no list:
+        # it ends whatever lives in the testbed's namespaces).
+        procs = []
+        storage = [e.name for e in self.fabric.endpoints if e.kind == "storage"]
+        for i, (s, ns) in enumerate(zip(c.stores, storage)):
+            procs.append({"name": f"store{i}", "role": "store", "ns": ns, **self._ref(s.proc.pid),
+                          "listen": s.address_str})
+        for name, p in c.procs.items():
+            procs.append({"name": name, "role": p.role, "ns": p.endpoint.name, **self._ref(p.proc.pid),
+                          "control": f"tcp://{p.endpoint.ip}:{CONTROL_PORT}", "agent": name,
+                          "transport": c.transports.get(name, ""), "log": str(p.log)})
+        self.state["processes"] = procs
+        self.state["agents"] = {name: name for name in c.procs}  # a node process's NIXL agent is named after it
+
+    @staticmethod
+    def _ref(pid: int) -> dict[str, int]:
+        ref = rundir.ProcRef.of(pid)
+        return ref.to_dict() if ref else {"pid": pid, "start": -1}
+
+    def _fabric_state(self, conductor_ip: str, storage_ip: str, bridges: list[str]) -> dict[str, Any]:
+        fab = self.fabric
+        shells = []
+        for node in (*fab.net.hosts, *fab.net.switches):  # Mininet's shells: tagged mininet:<name>
+            if getattr(node, "shell", None) is not None:
+                shells.append({"name": node.name, **self._ref(node.shell.pid)})
+        return {
+            "topology": {"name": self.topo.name, "path": str(self.topology_path)},
+            "services": self.services,
+            "qos": fab.qos,
+            "bridges": bridges,
+            "root_addresses": {"compute": conductor_ip, "storage": storage_ip},
+            "endpoints": [{"name": ep.name, "role": ep.role, "kind": ep.kind, "node": ep.node,
+                           "nics": [{"kind": n.kind, "dev": n.dev, "bridge_dev": n.bridge_dev, "ip": n.ip,
+                                     "rate_bps": n.rate_bps, "classes": n.classes} for n in ep.nics]}
+                          for ep in fab.endpoints],
+            "mininet_shells": shells,
+            "store": None, "processes": [], "agents": {},
+        }
+
+    def down(self) -> None:
+        """Tear everything down. Safe to call twice, after a partial up, and on an attached view."""
+        if not self._owned:
+            self._close_store()
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        errors: list[str] = []
+        try:
+            self._close_store()
+            if self.cluster is not None:
+                try:
+                    self.cluster.stop()
+                except Exception as e:  # keep tearing down the rest
+                    errors.append(f"services: {e}")
+                self.cluster = None
+            if self.fabric is not None:
+                try:
+                    self.fabric.down()
+                except Exception as e:
+                    errors.append(f"fabric: {e}")
+                self.fabric = None
+            if self._claimed:
+                rundir.release(self.run_dir)
+                self._claimed = False
+            if self in _live:
+                _live.remove(self)
+            self._restore_sigterm()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if errors:
+            raise TestbedError("teardown: " + "; ".join(errors))
+
+    def __enter__(self) -> "Testbed":
+        return self.up() if self._owned else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def _catch_sigterm(self) -> None:
+        # SIGTERM would end the process without unwinding, leaving everything behind: make it
+        # unwind like Ctrl-C while we are up. Only where a handler can be set (main thread)
+        # and nobody else chose one.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    # -- attaching to a testbed someone else owns ---------------------------------------------------
+    @classmethod
+    def attach(cls) -> "Testbed":
+        """A view of the testbed that is up on this machine (e.g. `dualpath up --detach`'s).
+
+        It can exec, look up addresses, read counters and use the store; leaving it (or
+        `down()`) closes only its own store client: the owner tears the testbed down.
+        """
+        st = rundir.read()
+        if st is None:
+            raise TestbedError("no testbed is up here; start one with `dualpath up TOPOLOGY --detach`")
+        if not rundir.owner(st).alive():
+            raise TestbedError(rundir.describe_busy(st))
+        if st.get("phase") != "up":
+            raise TestbedError(f"the testbed in {rundir.RUN_DIR} is still starting (phase {st.get('phase')!r}); "
+                               f"try again once `dualpath up` has returned")
+        from testbed.fabric import Fabric
+
+        tb = cls(st["topology"]["path"], services=bool(st.get("services")))
+        tb._owned = False
+        tb.state = st
+        tb.timings = dict(st.get("timings", {}))
+        tb.fabric = Fabric(tb.topo)  # not brought up here: its plan names every NIC, for the counters
+        if [e.name for e in tb.fabric.endpoints] != tb.nodes:
+            raise TestbedError(f"{tb.topology_path} changed since the testbed came up; its NICs are no longer "
+                               f"those of the live testbed")
+        tb.fabric.qos = st.get("qos", tb.fabric.qos)
+        return tb
+
+    # -- what is up ---------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[str]:
+        """Every namespace of the testbed: host sides, engines, storage servers."""
+        return [e["name"] for e in self.state.get("endpoints", [])]
+
+    def endpoint(self, node: str) -> dict[str, Any]:
+        """The recorded endpoint (name, role, kind, node, nics) of a namespace; "p0e0" or "dpt-p0e0"."""
+        return find_endpoint(self.state, node)
+
+    def address(self, node: str, nic: str | None = None) -> str:
+        """The address of a node's NIC (default: its first: an engine's CNIC, a host's host port)."""
+        return _nic(self.endpoint(node), nic)["ip"]
+
+    def iface(self, node: str, nic: str | None = None) -> str:
+        return _nic(self.endpoint(node), nic)["dev"]
+
+    @property
+    def addresses(self) -> dict[str, dict[str, str]]:
+        """Namespace -> NIC kind -> address."""
+        return {e["name"]: {n["kind"]: n["ip"] for n in e["nics"]} for e in self.state.get("endpoints", [])}
+
+    @property
+    def engines(self) -> list[str]:
+        return [e["name"] for e in self.state.get("endpoints", []) if e["kind"] == "engine"]
+
+    @property
+    def agents(self) -> dict[str, str]:
+        """Node process (namespace) -> the name of its NIXL transport agent (services only)."""
+        return dict(self.state.get("agents", {}))
+
+    @property
+    def store_endpoints(self) -> list[str]:
+        st = self.state.get("store") or {}
+        return list(st.get("endpoints", []))
+
+    @property
+    def store(self):
+        """A store client (dualpath.store.StoreClient) connected to every storage server, from
+        this process over the storage network; Full Blocks of the services' block size."""
+        if not self.state.get("store"):
+            raise TestbedError("this testbed has no store: bring it up with services=True (or --services)")
+        if self._store is None:
+            from dualpath.store.client import StoreClient
+
+            self._store = StoreClient(self.store_endpoints, int(self.state["store"]["block_bytes"]))
+        return self._store
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- running things in a namespace --------------------------------------------------------------
+    def env(self, node: str, ucx: bool = False, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a command in `node`: DUALPATH_NODE/IFACE/IP, and with `ucx` the UCX
+        settings a NIXL/UCX program needs so that its bytes cross this node's NIC in the kv class
+        (UCX_TLS=tcp, UCX_NET_DEVICES, UCX_MODULES, UCX_TCP_PORT_RANGE; see notes/platform-facts)."""
+        return node_env(self.state, node, ucx, base)
+
+    def ucx_env(self, node: str, traffic_class: str = "kv", base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Only the UCX_* settings of `env(ucx=True)`, for a program that builds its own environment."""
+        return _ucx_env(self.iface(node), traffic_class, base)
+
+    def exec(self, node: str, argv: Sequence[str] | str, *, timeout: float = 60, check: bool = False,
+             input: str | None = None, env: Mapping[str, str] | None = None, ucx: bool = False,
+             cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a command to completion in `node`'s namespace; its output captured as text.
+        A string is run by /bin/sh. `check`: raise TestbedError on a non-zero exit."""
+        full = node_argv(self.state, node, argv)
+        try:
+            p = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout,
+                               env=self.env(node, ucx, env), cwd=cwd)
+        except subprocess.TimeoutExpired:
+            raise TestbedError(f"{node}: {_show(argv)} timed out after {timeout:g}s") from None
+        if check and p.returncode != 0:
+            last = (p.stderr or p.stdout).strip().splitlines()
+            raise TestbedError(f"{node}: {_show(argv)} exited with {p.returncode}: {last[-1] if last else ''}")
+        return p
+
+    def popen(self, node: str, argv: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+              ucx: bool = False, **kw: Any) -> subprocess.Popen:
+        """Start a command in `node`'s namespace and return at once (subprocess.Popen keywords
+        apply). It lives in the namespace, so teardown ends it if it is still running."""
+        return subprocess.Popen(node_argv(self.state, node, argv), env=self.env(node, ucx, env), **kw)
+
+    # -- counters -------------------------------------------------------------------------------
+    def counters(self):
+        """Every NIC's kernel byte counters per traffic class and direction (testbed.counters.Snapshot)."""
+        from testbed import counters
+
+        return counters.snapshot(self.fabric)
+
+    def class_bytes(self, node: str, nic: str | None = None) -> dict[str, dict[str, int]]:
+        """Wire bytes per traffic class ("kv", "model"; "fifo" with QoS off) of one NIC, as
+        {"tx": {...}, "rx": {...}}: tx is what the node sent, rx what it received."""
+        from emulators.nic import CLASS_IDS, FIFO_CLASS
+        from testbed.counters import class_bytes
+
+        n = _nic(self.endpoint(node), nic)
+        ns = self.endpoint(node)["name"]
+        ids = ({name: cid for name, cid in CLASS_IDS.items()} if n["classes"] and self.fabric.qos
+               else {"fifo": FIFO_CLASS})
+        out = {}
+        for direction, dev, where in (("tx", n["dev"], ns), ("rx", n["bridge_dev"], None)):
+            stats = class_bytes(dev, where)
+            out[direction] = {name: stats.get(cid, 0) for name, cid in ids.items()}
+        return out
+
+
+def node_argv(state: Mapping[str, Any], node: str, argv: Sequence[str] | str) -> list[str]:
+    """`argv` (a string: run by /bin/sh) prefixed to run in `node`'s namespace."""
+    ns = find_endpoint(state, node)["name"]
+    cmd = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
+    if not cmd:
+        raise TestbedError("exec: empty command")
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def node_env(state: Mapping[str, Any], node: str, ucx: bool = False,
+             base: Mapping[str, str] | None = None) -> dict[str, str]:
+    ep = find_endpoint(state, node)
+    nic = ep["nics"][0]
+    env = dict(os.environ if base is None else base)
+    env.update({"DUALPATH_NODE": ep["name"], "DUALPATH_IFACE": nic["dev"], "DUALPATH_IP": nic["ip"]})
+    if ucx:
+        env.update(_ucx_env(nic["dev"], "kv", env))
+    return env
+
+
+def _ucx_env(iface: str, traffic_class: str, base: Mapping[str, str] | None) -> dict[str, str]:
+    from dualpath.transport.env import TransportError, build_ucx_env
+
+    try:
+        return build_ucx_env(iface, traffic_class, "tcp", base=dict(base or {}))
+    except (TransportError, ValueError) as e:
+        raise TestbedError(str(e)) from None
+
+
+def find_endpoint(state: Mapping[str, Any], node: str) -> dict[str, Any]:
+    from dualpath.naming import PREFIX
+
+    eps = state.get("endpoints", [])
+    full = node if node.startswith(f"{PREFIX}-") else f"{PREFIX}-{node}"
+    for e in eps:
+        if e["name"] == full:
+            return e
+    names = ", ".join(e["name"].removeprefix(f"{PREFIX}-") for e in eps)
+    raise TestbedError(f"no node {node!r} in this testbed; nodes: {names or 'none'}")
+
+
+def _nic(ep: Mapping[str, Any], kind: str | None) -> dict[str, Any]:
+    if kind is None:
+        return ep["nics"][0]
+    for n in ep["nics"]:
+        if n["kind"] == kind:
+            return n
+    raise TestbedError(f"{ep['name']} has no {kind!r} NIC; it has {', '.join(n['kind'] for n in ep['nics'])}")
+
+
+def _show(argv: Sequence[str] | str) -> str:
+    text = argv if isinstance(argv, str) else " ".join(argv)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@atexit.register
+def _down_all() -> None:
+    # The last safety net: a testbed brought up without `with` and never downed.
+    for tb in list(_live):
+        try:
+            tb.down()
+        except Exception:
+            pass

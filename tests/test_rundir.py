@@ -1,0 +1,102 @@
+"""The run directory and the detached commands' pure parts, without root: one claim per
+machine, a clear line saying who holds it, processes known by pid and start time, and how
+`dualpath exec NODE ... -- CMD` splits what follows NODE."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from testbed import detach, rundir
+from testbed.api import TestbedError
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    d = tmp_path / "dpt-testbed"
+    monkeypatch.setattr(rundir, "RUN_DIR", d)
+    return d
+
+
+def test_claim_is_one_per_machine_and_says_who_holds_it(run_dir):
+    st = rundir.claim("api", "1p1d")
+    assert rundir.read() == st and st["owner"]["pid"] == os.getpid() and st["phase"] == "starting"
+    with pytest.raises(rundir.RunDirBusy, match=rf"^a testbed of 1p1d is already up, owned by pid {os.getpid()} "):
+        rundir.claim("api", "2p1d")
+    st["owner"]["kind"] = "detached"
+    rundir.write(st)
+    assert os.listdir(run_dir) == ["state.json"]  # the atomic write's temporary file is gone
+    with pytest.raises(rundir.RunDirBusy, match=r"already up \(detached, runner pid .*`dualpath down` stops it$"):
+        rundir.claim("detached", "1p1d")
+    rundir.release()
+    assert not run_dir.exists()
+    assert rundir.claim("detached", "2p1d")["topology"] == {"name": "2p1d"}
+
+
+def test_a_dead_owner_and_an_empty_dir_point_at_down(run_dir):
+    p = subprocess.Popen(["sleep", "30"])
+    ref = rundir.ProcRef.of(p.pid)
+    p.kill()
+    p.wait()
+    assert ref is not None and not ref.alive() and rundir.ProcRef.of(p.pid) is None
+    st = rundir.claim("detached", "1p1d")
+    st["owner"].update(ref.to_dict())
+    rundir.write(st)
+    assert detach.status() == (st, "dead")
+    with pytest.raises(rundir.RunDirBusy, match=rf"its owner \(pid {p.pid}\) is gone; run `dualpath down`"):
+        rundir.claim("api", "1p1d")
+    (run_dir / "state.json").unlink()
+    assert detach.status() == (None, "starting")
+    with pytest.raises(rundir.RunDirBusy, match="records no testbed"):
+        rundir.claim("api", "1p1d")
+
+
+def test_a_dir_from_an_earlier_boot_is_claimed_again(run_dir):
+    st = rundir.claim("api", "1p1d")
+    st["boot_id"] = "not-this-boot"
+    rundir.write(st)
+    assert rundir.claim("api", "2p1d")["boot_id"] == rundir.boot_id()
+
+
+def test_a_reused_pid_is_not_the_recorded_process():
+    me = rundir.ProcRef.of(os.getpid())
+    assert me is not None and me.alive()
+    assert not rundir.ProcRef(me.pid, me.start + 1).alive()
+    assert rundir.ProcRef.from_dict(me.to_dict()) == me
+
+
+def test_status_and_exec_without_a_testbed(run_dir):
+    assert detach.status() == (None, "down")
+    with pytest.raises(TestbedError, match="no testbed is up; start one with `dualpath up TOPOLOGY --detach`"):
+        detach.exec_argv("p0e0", ["true"])
+    st = rundir.claim("api", "1p1d")
+    assert detach.status() == (st, "starting")
+    st.update(phase="up", endpoints=[{"name": "dpt-p0e0", "nics": [{"kind": "cnic", "dev": "dpt-p0e0-cnic",
+                                                                    "ip": "10.77.0.2"}]}])
+    rundir.write(st)
+    assert detach.status()[1] == "up"
+    argv, env = detach.exec_argv("p0e0", ["ip", "-br", "addr"])
+    assert argv == ["ip", "netns", "exec", "dpt-p0e0", "ip", "-br", "addr"]
+    assert env["DUALPATH_IFACE"] == "dpt-p0e0-cnic" and env["DUALPATH_IP"] == "10.77.0.2"
+    with pytest.raises(TestbedError, match="exec: no command; usage: dualpath exec NODE -- CMD"):
+        detach.exec_argv("p0e0", [])
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--", "sh", "-c", "echo --x"], (["sh", "-c", "echo --x"], False)),
+    (["ls", "-la"], (["ls", "-la"], False)),  # no "--": the command as given
+    (["--ucx", "--", "ls"], (["ls"], True)),  # our option between NODE and "--"
+    (["--ucx", "ls", "--", "x"], (["ls", "--", "x"], True)),
+    (["--", "--ucx"], (["--ucx"], False)),  # after "--" everything is the command's
+    (["--", "a", "--", "b"], (["a", "--", "b"], False)),
+    (["--"], ([], False)),
+    ([], ([], False)),
+])
+def test_exec_args_after_the_node(args, want):
+    assert detach.split_exec_args(args) == want
+
+
+def test_an_unknown_option_before_the_command_is_one_line():
+    with pytest.raises(TestbedError, match=r"^exec: no option '--ucxx' \(options: --ucx\); put the command after --"):
+        detach.split_exec_args(["--ucxx", "--", "ls"])
