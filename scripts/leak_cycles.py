@@ -4,6 +4,12 @@ rotation (after a SIGKILL, `dualpath clean`), and count what is left after every
 namespaces, veths, bridges, qdiscs, nft tables, processes and mounts.
 
     .venv/bin/python scripts/leak_cycles.py --cycles 100
+    .venv/bin/python scripts/leak_cycles.py --cycles 20 --detach
+
+--detach: `dualpath up --detach`, then `dualpath exec`, then an ending: `dualpath down`,
+SIGTERM to the runner, or SIGKILL to the runner followed by `dualpath down` or (the
+last cycles) `dualpath clean`; a second `up` while the killed runner's testbed is there
+must fail with the one-line error that names `dualpath down`.
 
 Most cycles are `dualpath up` (the fabric: namespaces, veths, bridges, qdiscs, nft tables,
 Mininet shells). Every --run-every'th cycle is a whole `dualpath run` instead (store servers,
@@ -15,6 +21,7 @@ Run it under the machine-wide lock: `flock /work/testbed.lock .venv/bin/python s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import signal
@@ -30,6 +37,7 @@ from testbed.cleanup import find_leftovers  # noqa: E402
 
 CLI = [sys.executable, "-m", "testbed.cli"]
 ENDINGS = ("SIGINT", "SIGTERM", "SIGKILL")
+DETACHED_ENDINGS = ("down", "SIGKILL+down", "SIGTERM", "SIGKILL+clean")
 RUN_ARGS = ["run", str(REPO / "topologies" / "1p1d.yaml"), "--modes", "dualpath", "--trajectories", "2",
             "--fault", "disk-full@0.2", "--out", "/var/tmp/dpt-leak-results"]
 
@@ -76,15 +84,59 @@ def one_cycle(topo: str, ending: str, full_run: bool) -> tuple[float, str, str]:
     return elapsed, before, find_leftovers().summary()
 
 
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _wait_gone(pid: int, timeout_s: float = 60) -> None:
+    from testbed.rundir import proc_start
+
+    deadline = time.monotonic() + timeout_s
+    while proc_start(pid) is not None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"runner {pid} still alive {timeout_s:g}s after its ending")
+        time.sleep(0.02)
+
+
+def one_detached_cycle(topo: str, ending: str) -> tuple[float, float, str]:
+    """(the up command's seconds, up to no leftovers seconds, leftovers)."""
+    t0 = time.monotonic()
+    r = _cli("up", topo, "--detach", "--json")
+    if r.returncode != 0:
+        raise SystemExit(f"up --detach failed: {r.stderr.strip()}")
+    up_s = time.monotonic() - t0
+    runner = json.loads(r.stdout)["owner"]["pid"]
+    e = _cli("exec", "p0e0", "--", "ip", "-br", "link", "show", "dev", "dpt-p0e0-cnic")
+    if e.returncode != 0 or "dpt-p0e0-cnic" not in e.stdout:
+        raise SystemExit(f"exec failed ({e.returncode}): {e.stderr.strip()}")
+    if ending.startswith("SIGKILL"):
+        os.kill(runner, signal.SIGKILL)
+        _wait_gone(runner)
+        again = _cli("up", topo, "--detach")
+        if again.returncode != 1 or "`dualpath down`" not in again.stderr or len(again.stderr.splitlines()) != 1:
+            raise SystemExit(f"a second up over a dead runner's testbed did not fail clearly: {again.stderr!r}")
+        _cli("clean" if ending.endswith("clean") else "down").check_returncode()
+    elif ending == "SIGTERM":
+        os.kill(runner, signal.SIGTERM)
+        _wait_gone(runner)
+    else:
+        _cli("down").check_returncode()
+        _wait_gone(runner, 1)  # down returns only once its runner is gone
+    return up_s, time.monotonic() - t0, find_leftovers().summary()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--topology", default=str(REPO / "topologies" / "1p1d.yaml"))
     ap.add_argument("--run-every", type=int, default=10, help="every Nth cycle is a whole `dualpath run` (0: none)")
+    ap.add_argument("--detach", action="store_true", help="cycle `dualpath up --detach` and its endings")
     args = ap.parse_args()
     if not find_leftovers().empty():
         print("leftovers exist before the first cycle; run `dualpath clean` first", file=sys.stderr)
         return 2
+    if args.detach:
+        return detached_cycles(args.cycles, args.topology)
     bad = 0
     times = []
     t_all = time.monotonic()
@@ -100,6 +152,27 @@ def main() -> int:
     print(f"{args.cycles} cycles ({sum(t % args.run_every == args.run_every - 1 for t in range(args.cycles)) if args.run_every else 0} "
           f"of them whole runs), {bad} with leftovers; {time.monotonic() - t_all:.0f} s in all; per cycle "
           f"(incl. python start-up) median {sorted(times)[len(times) // 2]:.2f}s, max {max(times):.2f}s")
+    return 1 if bad else 0
+
+
+def detached_cycles(cycles: int, topo: str) -> int:
+    bad = 0
+    ups, totals = [], []
+    for i in range(cycles):
+        ending = DETACHED_ENDINGS[i % len(DETACHED_ENDINGS)]
+        up_s, total_s, left = one_detached_cycle(topo, ending)
+        ups.append(up_s)
+        totals.append(total_s)
+        bad += left != "nothing"
+        print(f"cycle {i + 1:2d}  {ending:<13}  up {up_s:5.2f}s  up..gone {total_s:5.2f}s  leftovers: {left}",
+              flush=True)
+    _cli("clean").check_returncode()
+    left = find_leftovers().summary()
+    bad += left != "nothing"
+    print(f"after `dualpath clean`: leftovers: {left}")
+    print(f"{cycles} detached cycles, {bad} with leftovers; `up --detach` command (incl. python start-up) "
+          f"median {sorted(ups)[len(ups) // 2]:.2f}s, max {max(ups):.2f}s; whole cycle median "
+          f"{sorted(totals)[len(totals) // 2]:.2f}s")
     return 1 if bad else 0
 
 
