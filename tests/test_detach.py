@@ -1,0 +1,104 @@
+"""Detached lifecycle: `dualpath up --detach` returns with the testbed up, `status`/`exec`
+see it, `down` leaves nothing, and a SIGKILLed runner's leftovers go with `down`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from testbed import rundir
+from testbed.api import Testbed
+from testbed.cleanup import find_leftovers
+from tests.conftest import dualpath, needs_root
+
+pytestmark = needs_root
+
+
+def _dead(pid: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if rundir.proc_start(pid) is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_detached_services_status_exec_attach_down(no_leftovers):
+    r = dualpath("up", "topologies/1p1d.yaml", "--detach", "--services", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)  # stdout is the JSON alone
+    assert st["phase"] == "up" and st["owner"]["kind"] == "detached"
+    assert set(st["timings"]) == {"fabric_s", "services_s"}
+    assert {e["name"] for e in st["endpoints"]} >= {"dpt-p0e0", "dpt-d0e0", "dpt-s0"}
+    assert set(st["agents"]) == {"dpt-p0", "dpt-d0", "dpt-p0e0", "dpt-p0e1", "dpt-d0e0", "dpt-d0e1"}
+    assert st["store"]["endpoints"] == ["10.78.0.3:7000"]
+    pids = [p["pid"] for p in st["processes"]]
+    assert len(pids) == 7 and all(rundir.proc_start(p) for p in pids)
+
+    s = dualpath("status")
+    assert s.returncode == 0 and "1p1d: up, detached" in s.stdout and "agent dpt-d0e1" in s.stdout
+    e = dualpath("exec", "d0e0", "--", "sh", "-c", 'echo "$DUALPATH_IFACE"; exit 5')
+    assert e.returncode == 5 and e.stdout.strip() == "dpt-d0e0-cnic"
+
+    with Testbed.attach() as tb:  # a view: leaving it closes only its store client
+        key = os.urandom(16).hex()  # the store's key format: 32 lowercase hex digits
+        block = os.urandom(tb.state["store"]["block_bytes"])
+        assert tb.store.put(key, block)
+        assert bytes(tb.store.get(key)) == block
+        assert tb.agents["dpt-p0e0"] == "dpt-p0e0"
+    assert dualpath("status").returncode == 0  # still up
+
+    d = dualpath("down", timeout=120)
+    assert d.returncode == 0 and "nothing left behind" in d.stdout, d.stdout + d.stderr
+    assert all(_dead(p) for p in pids)
+    assert find_leftovers().empty()
+    assert dualpath("status").stdout.strip() == "nothing is up"
+
+
+def test_sigkilled_runner_is_cleaned_by_down(no_leftovers):
+    r = dualpath("up", "--detach", "--json")
+    assert r.returncode == 0, r.stderr
+    runner = json.loads(r.stdout)["owner"]["pid"]
+    os.kill(runner, signal.SIGKILL)
+    assert _dead(runner)
+    s = dualpath("status")
+    assert s.returncode == 1 and "owner is gone" in s.stdout
+    again = dualpath("up", "--detach")
+    assert again.returncode == 1 and "owner (pid" in again.stderr and "`dualpath down`" in again.stderr
+    d = dualpath("down")
+    assert d.returncode == 0 and "removed what it left" in d.stdout and "namespaces" in d.stdout, d.stdout
+    assert find_leftovers().empty(), find_leftovers()
+
+
+HOLDER = """
+import sys, time
+from testbed import Testbed
+with Testbed("1p1d") as tb:
+    print("up", flush=True)
+    if sys.argv[1] == "raise":
+        raise ValueError("the user's code failed")
+    time.sleep(60)
+"""
+
+
+def test_a_python_holder_interrupted_terminated_failing_or_killed_leaves_nothing(no_leftovers):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    for ending in ("SIGINT", "SIGTERM", "raise", "SIGKILL"):
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, ending], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout.readline() == "up\n", p.stderr.read()
+        if ending != "raise":
+            p.send_signal(getattr(signal, ending))
+        err = p.communicate(timeout=60)[1]
+        if ending == "SIGKILL":  # nothing unwinds: its state names what `down` removes
+            assert not find_leftovers().empty()
+            d = dualpath("down")
+            assert d.returncode == 0 and "removed what it left" in d.stdout, d.stdout + d.stderr
+        else:
+            assert p.returncode != 0 and ("KeyboardInterrupt" in err or "ValueError" in err), err
+        assert find_leftovers().empty(), (ending, find_leftovers())
