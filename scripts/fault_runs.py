@@ -3,7 +3,7 @@
 table (fault, requests affected, completed, failed, wrong tokens, lost blocks, recovery time)
 from each run's summary.json, and a check for leftovers after every run.
 
-    flock /work/testbed.lock .venv/bin/python scripts/fault_runs.py --out results/faults
+    .venv/bin/python scripts/fault_runs.py --out results/faults
 
 snic-down and snic-up share a run (the link goes down, then comes back). Each run is its own
 `dualpath run` under a time limit, so one that hangs is reported and the others still run.

@@ -16,7 +16,7 @@ Mininet shells). Every --run-every'th cycle is a whole `dualpath run` instead (s
 host agents and engines in the namespaces, and a store root on its own tmpfs, from a disk-full
 fault), signalled once its requests are flowing. Prints one line per cycle (how it ended, its
 seconds, leftovers), then the totals, and exits non-zero if any cycle left anything behind.
-Run it under the machine-wide lock: `flock /work/testbed.lock .venv/bin/python scripts/leak_cycles.py`.
+Run it with nothing else using the dpt- prefix on the machine.
 """
 from __future__ import annotations
 

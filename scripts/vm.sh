@@ -13,8 +13,8 @@
 # build/vm/runs/<id>/ (cmd.sh, output.log, rc, console.log).
 #
 # Why TCG: this host's /dev/kvm is a paravirtual hypervisor (PVM) that cannot run a stock
-# kernel. TCG runs guest CPU work 5-9x slower and takes both cores: run the VM under the
-# machine-wide lock (flock /work/testbed.lock scripts/vm.sh run ...), and nothing else beside it.
+# kernel. TCG runs guest CPU work 5-9x slower and takes both cores: give the VM the
+# machine to itself.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/.." && pwd)
 VMDIR=${DPT_VM_DIR:-$REPO/build/vm}; IMG=$VMDIR/image; VENV=$VMDIR/venv

@@ -3,7 +3,7 @@
 # the rxe smoke, the transport benchmark over rxe and a short end-to-end run over rxe
 # (scripts/vm/guest_test.py); results/vm/<run-id>/summary.json. Exits with the guest's status.
 # On the project's shared 2-core machine run it under the machine-wide lock:
-#   flock /work/testbed.lock make vm-test
+#   make vm-test
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)}

@@ -31,7 +31,7 @@ PE_GROUPS = "one"  # every PE in one group, as the testbed runs them (testbed.si
 PAPER = {"offline": {"2p4d-paper": {"agents": 2000, "jct_s": 3167.0}, "48p96d": {"agents": 48000, "jct_s": 3201.0}},
          "online": {"2p4d-paper": {"aps": 0.4, "ttft_s": 1.739}, "44p88d": {"aps": 8.8, "ttft_s": 1.847}},
          "scheduler_cores_below": 10.0}
-SOURCE = "/work/shared/reference/dualpath-paper-notes.txt (Large-Scale Scalability) and the article, section 5.5"
+SOURCE = "shared/reference/dualpath-paper-notes.txt (Large-Scale Scalability) and the article, section 5.5"
 
 
 def replicate(trajs: list[TrajectorySpec], copies: int) -> list[TrajectorySpec]:
