@@ -29,7 +29,7 @@ from dualpath.control import Auth, ControlError, RpcClient, RpcServer
 
 DEFAULT_PULL_INTERVAL_S = 0.02  # without a doorbell: pull this often while idle
 HEARTBEAT_S = 0.1  # with one: pull at least this often (work deferred on load, lost rings)
-STATE_TIMEOUT_S = 1.0  # a member's state reply; a tiny command served by its own thread
+STATE_TIMEOUT_S = 3.0  # a member's state reply (a tiny command on its own thread); 1 s made live members look dead on a loaded 2-core host
 PROBE_EVERY_S = 1.0  # how often a member that stopped answering is asked again
 
 
