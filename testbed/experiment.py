@@ -32,7 +32,7 @@ from dualpath.store.keys import chain_keys
 from dualpath.control import ControlError
 from testbed.fidelity import link_use, verdict as fidelity_verdict
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
-from testbed.monitor import CPU_SATURATED, Monitor
+from testbed.monitor import Monitor
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 from testbed.scheduling import STALE_AFTER_S, ServiceRouter
@@ -360,7 +360,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
     """summary.json: per mode, the verdict first, then times in emulated seconds (testbed
     seconds beside them), correctness, bytes per NIC and balance."""
     clock = RunClock.of(topo, geom)
-    out: dict[str, Any] = {"target": clock.target, "dilation": round(clock.dilation, 6), "time": clock.to_dict(),
+    # the run's verdict comes first: a run is a result only when every mode in it is FAITHFUL
+    out: dict[str, Any] = {"faithful": False, "unfaithful_modes": [], "target": clock.target, "dilation": round(clock.dilation, 6), "time": clock.to_dict(),
                            "modes": {}}
     k = clock.dilation
     for res in results:
@@ -417,7 +418,6 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             # the testbed's processes; the rest of cpu_busy is the kernel's NIC emulation (softirq)
             # and whatever else ran on the machine
             "cpu_testbed_processes": round(res.cpu_own, 3),
-            "cpu_saturated": res.cpu_peak >= CPU_SATURATED,
             "fidelity": {"prefill_passes": len(res.batches),
                          "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
                          "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),
@@ -439,6 +439,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             m["faults_unattributed"] = res.fault_log.unattributed[:20]
             m["kv_bytes_vs_expected"]["note"] = ("a run with faults: bytes of attempts that were retried and of "
                                                  "reads that were discarded are not in the expected counts")
+    out["unfaithful_modes"] = [m for m, v in out["modes"].items() if not v["faithful"]]
+    out["faithful"] = bool(out["modes"]) and not out["unfaithful_modes"]
     speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
     proofs = [r.rdma for r in results if r.rdma is not None]
     if proofs:  # transport rdma: proven only when every mode that moved KV proved it

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from testbed.check import RATE_OK, MODEL_KEEP_OK, CheckReport
+from testbed.fidelity import CPU_BUSY_MAX, SATURATION_MIN
 
 
 def _mbit(bps: float) -> str:
@@ -50,6 +51,16 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
+def run_verdict(summary: dict) -> str:
+    """The run's verdict in one line: a result only when every mode is FAITHFUL (testbed/fidelity.py)."""
+    bad = [m for m, v in summary["modes"].items() if not v["faithful"]]
+    rules = (f"no pass or step overran its emulated window, mean CPU busy <= {CPU_BUSY_MAX:.0%}, every "
+             f"bottleneck storage NIC carried >= {SATURATION_MIN:.0%} of its rate")
+    if not bad:
+        return f"verdict: FAITHFUL in every mode ({rules})"
+    return f"verdict: UNFAITHFUL in {', '.join(bad)}: not a result (reasons under each mode)"
+
+
 def verdict_lines(summary: dict) -> list[str]:
     """One line per mode that starts with its fidelity verdict, then times in emulated seconds."""
     t = summary.get("time", {})
@@ -59,7 +70,7 @@ def verdict_lines(summary: dict) -> list[str]:
         head = (f"time: emulated {summary.get('target')}; dilation k = {summary.get('dilation', 1):.4g} "
                 f"(one emulated second lasts {summary.get('dilation', 1):.3g} s here); times below are emulated, "
                 f"testbed seconds in brackets")
-    lines = [head]
+    lines = [run_verdict(summary), head]
     for mode, m in summary["modes"].items():
         sp = m.get("speedup_over_basic")
         speed = f"  {sp:.2f}x basic (bound {m['speedup_bound']:.2f}x)" if sp is not None and "speedup_bound" in m else ""

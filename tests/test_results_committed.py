@@ -42,3 +42,12 @@ def test_a_run_with_one_unfaithful_mode_is_not_faithful():
     assert is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": True}}})
     assert not is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": False}}})
     assert not is_faithful({"modes": {}}) and not is_faithful({"faithful": False})
+
+
+def test_the_report_states_the_run_verdict_first():
+    from testbed.report import run_verdict
+
+    ok = {"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": True}}}
+    bad = {"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": False}}}
+    assert run_verdict(ok).startswith("verdict: FAITHFUL in every mode")
+    assert run_verdict(bad).startswith("verdict: UNFAITHFUL in dualpath") and "not a result" in run_verdict(bad)
