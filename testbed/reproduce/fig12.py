@@ -24,7 +24,7 @@ from pathlib import Path
 from testbed import plots
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
-from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
 ID = "fig12"
 TITLE = "TTFT breakdown against APS (left) and the ablation ladder (right)"
@@ -36,9 +36,10 @@ TOPOLOGY = "1p1d-io"
 
 def ladder_configs(quick: bool) -> list[RunConfig]:
     if quick:
-        return [RunConfig("fig12/ladder/demo-24", TOPOLOGY, LADDER, WorkloadSpec(agents=24), params={"agents": 24})]
+        return [RunConfig("fig12/ladder/demo-24", TOPOLOGY, LADDER, WorkloadSpec(agents=24),
+                          topology_overrides=dict(IO_1P1D_OVERRIDES), params={"agents": 24})]
     return [RunConfig(f"fig12/ladder/64K-{a}", TOPOLOGY, LADDER, WorkloadSpec(preset="64K", scale=PAPER_SCALE, agents=a),
-                      params={"agents": a}) for a in (12, 24)]
+                      topology_overrides=dict(IO_1P1D_OVERRIDES), params={"agents": a}) for a in (12, 24)]
 
 
 def plan(quick: bool = False) -> Plan:

@@ -13,7 +13,7 @@ from pathlib import Path
 from testbed import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
-from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
 ID = "fig7"
 TITLE = "Offline JCT of Basic, DualPath and Oracle over agents x MaxLen"
@@ -31,9 +31,10 @@ def plan(quick: bool = False) -> Plan:
     sets, agents, turns = grid(quick)
     cfgs = [RunConfig(f"fig7/{s}/agents={a}", TOPOLOGY, MODES,
                       WorkloadSpec(preset=s, scale=PAPER_SCALE, agents=a, turns_scale=turns),
-                      params={"max_len": s, "agents": a})
+                      topology_overrides=dict(IO_1P1D_OVERRIDES), params={"max_len": s, "agents": a})
             for s in sets for a in agents]
-    sd = (f"1P1D (1p1d-io: g = 2 engines per node, links x0.0025, storage NIC s = 0.075); the paper's trace sets "
+    sd = (f"1P1D (1p1d-io: g = 2 engines per node, links x{IO_1P1D_OVERRIDES['scale']:g}, storage NIC s = 0.075); "
+          f"the paper's trace sets "
           f"with lengths / {PAPER_SCALE}; agents {', '.join(map(str, agents))} (the paper: 256-4096 on 8-GPU nodes)")
     if turns != 1:
         sd += f"; turn counts / {turns:g} (quick)"

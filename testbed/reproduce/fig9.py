@@ -13,7 +13,7 @@ from pathlib import Path
 from testbed import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
-from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
 ID = "fig9"
 TITLE = "Append-length and generation-length scaling"
@@ -35,10 +35,10 @@ def plan(quick: bool = False) -> Plan:
     for side, knob, _ in SIDES:
         for s in scales:
             cfgs.append(RunConfig(f"fig9/{side}x{s:g}", TOPOLOGY, modes, replace(base, **{knob: float(s)}),
-                                  params={"side": side, "scale": s}))
+                                  topology_overrides=dict(IO_1P1D_OVERRIDES), params={"side": side, "scale": s}))
     what = ("the demo workload, 24 agents (quick)" if base.preset == "demo" else
             f"the paper's 64K trace with lengths / {PAPER_SCALE} (MaxLen 2,048), {base.agents} agents")
-    sd = f"1P1D (1p1d-io), {what}, before the append or generation scale; the x1 run is shared by both sides"
+    sd = f"1P1D (1p1d-io, links x{IO_1P1D_OVERRIDES['scale']:g}), {what}, before the append or generation scale; the x1 run is shared by both sides"
     return Plan(ID, quick, cfgs, scale_down=sd)
 
 

@@ -34,6 +34,11 @@ TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
 RUN_BLOCK_TOKENS = 32  # = testbed.experiment.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
 DEMO_KV_BYTES_PER_TOKEN = 2048  # = dualpath.model.tiny.DEMO_KV_BYTES_PER_TOKEN (the demo checkpoint)
 PAPER_SCALE = 32  # the paper presets' lengths are divided by this (64K MaxLen -> 2048, the demo's)
+# The offline figures on 1p1d-io run its links at this scale, not the file's x0.0025: there its
+# dualpath mode kept both cores 84-88 % busy (over the fidelity rule's 85 %, with a few late
+# passes). Emulated times do not depend on the scale (the dilation k absorbs it: x0.0016 gives
+# k = 4.9 instead of 3.1); only the testbed's run time and its CPU headroom do.
+IO_1P1D_OVERRIDES = {"scale": 0.0016}
 
 # Calibration of the estimate (see the module docstring).
 SETUP_S = 15.0  # cluster up, checkpoint load, store warm
