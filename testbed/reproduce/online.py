@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from testbed.reproduce import paper
 from testbed.reproduce.common import mean
-from testbed.reproduce.plan import OnlineSearch, OnlineSpec, Plan, RunConfig, WorkloadSpec, io_capacity_aps
+from testbed.reproduce.plan import (IO_1P1D_OVERRIDES, OnlineSearch, OnlineSpec, Plan, RunConfig, WorkloadSpec,
+                                    io_capacity_aps)
 from testbed.reproduce.runs import Run
 
 WARMUP = 0.2
@@ -61,14 +62,15 @@ def online_configs(quick: bool) -> list[RunConfig]:
         aps = round(cap * f, 2)
         agents = max(16 if quick else 24, round(aps * arrivals_s))
         out.append(RunConfig(f"online/aps={aps:g}", TOPOLOGY, MODES, WorkloadSpec(agents=agents),
-                             online=OnlineSpec(aps=aps, seed=0), params={"aps": aps}))
+                             topology_overrides=dict(IO_1P1D_OVERRIDES), online=OnlineSpec(aps=aps, seed=0),
+                             params={"aps": aps}))
     return out
 
 
 def online_plan(fig_id: str, quick: bool) -> Plan:
     cfgs = online_configs(quick)
     return Plan(fig_id, quick, cfgs,
-                scale_down=("1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x0.0025; the demo's "
+                scale_down=(f"1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x{IO_1P1D_OVERRIDES['scale']:g}; the demo's "
                             "agents (10 turns, ~660-token contexts, 1/50 of the paper's 32K); SLO as the paper's "
                             "(TTFT <= 4 s, TPOT <= 50 ms, emulated); steady-state rule scaled (testbed.reproduce.online)"),
                 search=OnlineSearch(MODES, rel_tol=0.1, max_probes=1 if quick else 4))
