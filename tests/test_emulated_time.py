@@ -152,3 +152,17 @@ def test_decode_batches_every_ready_request_and_each_step_lasts_its_cost(model, 
     gaps = np.diff(a.token_times)
     expect = [DECODE.step_cost([21, 34]), DECODE.step_cost([22, 35]), DECODE.step_cost([23]), DECODE.step_cost([24])]
     assert gaps == pytest.approx(np.array(expect) * K)
+
+
+def test_node_processes_freeze_their_startup_heap_so_a_full_collection_cannot_stall_a_pass():
+    import gc
+
+    from dualpath.nodes.common import freeze_startup_heap
+
+    live = len(gc.get_objects())
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() >= live * 0.9  # start-up's objects are out of the collector's walk
+        assert len(gc.get_objects()) < live * 0.1
+    finally:
+        gc.unfreeze()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -15,6 +16,17 @@ STATE_PORT_OFFSET = 1
 LOAD_PORT_OFFSET = 2
 JOBS_PORT_OFFSET = 3  # long commands, many outstanding: a host agent's flushes and waits, a DE's decodes
 COLLECTIVE_PORT_OFFSET = 4  # an engine's collective responder (model class, like control)
+
+
+def freeze_startup_heap() -> None:
+    """Put what start-up allocated (torch, the model, the transport) beyond the garbage collector.
+
+    A full collection walks every tracked object and holds the GIL while it does: with torch and
+    a model loaded (~170k objects) it takes tens of ms, and the pass it lands in ends that late.
+    Measured on this machine kind: 80-100 ms per full collection before, 0 ms after freezing.
+    Those objects live as long as the process anyway, so nothing is leaked by never scanning them."""
+    gc.collect()
+    gc.freeze()
 
 
 def state_port(control_port: int) -> int:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from dualpath.nodes.common import (
-    base_args, exit_on_sigterm, jobs_port, make_agent, positive_int, run_auth, wiring_handlers,
+    base_args, exit_on_sigterm, freeze_startup_heap, jobs_port, make_agent, positive_int, run_auth, wiring_handlers,
 )
 from dualpath.nodes.leader import EngineLoad, GroupLeader, serve_state
 from dualpath.control import RpcServer
@@ -105,6 +105,7 @@ def main() -> None:
         handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective)
         server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                            {**wiring_handlers(agent, hello), **common, **handlers}, auth=auth)
+        freeze_startup_heap()
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:
             # no progress thread here: progress when idle, so peers' endpoints settle
@@ -121,6 +122,7 @@ def main() -> None:
                                 control=f"tcp://{args.ip}:{args.control_port}",
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
                                 handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth)
+        freeze_startup_heap()
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:
             service.serve()

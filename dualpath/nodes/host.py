@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ConfigDict, validate_call
 
 from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, run_auth, wiring_handlers
-from dualpath.nodes.common import jobs_port, load_port
+from dualpath.nodes.common import freeze_startup_heap, jobs_port, load_port
 from dualpath.nodes.leader import serve_state
 from dualpath.nodes.read_queue import ReadQueueServer
 from dualpath.kv.check import stale
@@ -247,6 +247,7 @@ def main() -> None:
                         auth=auth).start()
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                        {**wiring_handlers(agent), "contains": contains, "read_log": read_log}, auth=auth)
+    freeze_startup_heap()
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
         server.serve()
