@@ -21,6 +21,7 @@ READ requests: protocol overhead again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dualpath.accounting import STORAGE_OWNER
 from dualpath.traffic_classes import KV, MODEL
@@ -47,6 +48,8 @@ class Snapshot:
     kv_pkts: dict[Key, int] = field(default_factory=dict)  # frames in the kv class (or the FIFO)
     roce_pkts: dict[Key, int] = field(default_factory=dict)  # of them RoCE, by the NIC's rxe device
     rxe: dict[str, dict[str, int]] = field(default_factory=dict)  # every rxe device's hw_counters
+    # TCP segments each namespace sent again: HTB counts a retransmitted segment's bytes once more
+    retransmitted: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot(fab: Fabric) -> Snapshot:
@@ -75,7 +78,21 @@ def snapshot(fab: Fabric) -> Snapshot:
             if classes:
                 _add(snap.model_wire, key, stats.get(class_for(True, MODEL), (0, 0, 0))[0])
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
+    if fab.net is not None:
+        for ep in fab.endpoints:
+            snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
     return snap
+
+
+def tcp_retransmitted_segments(snmp: Path) -> int:
+    """Tcp RetransSegs of the namespace whose /proc/<pid>/net/snmp this is (0 if it is gone)."""
+    try:
+        rows = [line.split() for line in snmp.read_text().splitlines() if line.startswith("Tcp:")]
+    except OSError:
+        return 0
+    if len(rows) < 2 or "RetransSegs" not in rows[0]:
+        return 0
+    return int(rows[1][rows[0].index("RetransSegs")])
 
 
 def _add(d: dict[Key, int], key: Key, v: int) -> None:
@@ -89,7 +106,8 @@ def delta(after: Snapshot, before: Snapshot) -> Snapshot:
     rxe = {dev: {k: v - before.rxe.get(dev, {}).get(k, 0) for k, v in c.items()} for dev, c in after.rxe.items()}
     return Snapshot(d(after.kv_payload, before.kv_payload), d(after.kv_wire, before.kv_wire),
                     d(after.model_wire, before.model_wire), d(after.drops, before.drops),
-                    d(after.kv_pkts, before.kv_pkts), d(after.roce_pkts, before.roce_pkts), rxe)
+                    d(after.kv_pkts, before.kv_pkts), d(after.roce_pkts, before.roce_pkts), rxe,
+                    d(after.retransmitted, before.retransmitted))
 
 
 def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:

@@ -401,6 +401,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "control_bytes": {"model_class_on_nics": sum(res.counters.model_wire.values()),
                               "messages_at_conductor": res.control_app_bytes},
             "drops": sum(res.counters.drops.values()),
+            # segments sent again, per namespace: each one's bytes are in the HTB counters twice
+            "tcp_retransmitted_segments": {ns: n for ns, n in sorted(res.counters.retransmitted.items()) if n},
             "reread_bytes": sum(r.reread_bytes for r in ok),
             "snic_max_over_avg": round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3) if sum(snic_rx) else None,
             "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)

@@ -6,7 +6,7 @@ import pytest
 
 from testbed.reproduce import reproduce_id
 from testbed.reproduce.fig13 import loaded_window, scheduler_config, snic_series
-from testbed.reproduce.fig14 import attention_series
+from testbed.reproduce.fig14 import attention_series, attention_windows, balance_config
 from tests.reproduce_helpers import RunFolder, is_valid_png, plan_json
 
 QUIET = dict(command="test", run_id="x", progress=lambda m: None)
@@ -92,22 +92,63 @@ def test_fig13_from_a_run(tmp_path):
     assert s["modes"]["dualpath"]["loaded_window"] == [pytest.approx(0.0), pytest.approx(20.0)]
 
 
-def test_fig14_from_the_same_run(tmp_path):
-    balance_run(tmp_path / "runs" / "r")
+def busy_passes(att, loaded_windows, windows=10):
+    """PE i's k-th pass fills emulated window k (testbed [2k, 2k+2) at K = 2) with attention att[i]
+    while loaded; afterwards each pass lasts a tenth of its window (the queues ran dry)."""
+    out = []
+    for k in range(windows):
+        for i, a in enumerate(att):
+            loaded = k < loaded_windows
+            out.append({"pe": f"dpt-p{i // 2}e{i % 2}", "t_start": 2.0 * k, "t_end": 2.0 * k + (2.0 if loaded else 0.2),
+                        "n": 3, "loaded": loaded, "attention_s": a if loaded else 0.1 * (1 + i)})
+    return out
+
+
+def test_attention_windows_prorate_passes_and_mark_loaded_windows():
+    win = attention_windows(busy_passes([1.0, 1.0, 1.2, 0.8], loaded_windows=6), dilation=K, window_s=1.0)
+    assert len(win) == 10 and sum(w["loaded"] for w in win) == 6
+    assert win[0]["max_over_avg"] == pytest.approx(1.2) and win[0]["min_busy_share"] == pytest.approx(1.0)
+    assert not win[7]["loaded"] and win[7]["min_busy_share"] == pytest.approx(0.1)
+    # a pass that straddles two windows gives each the share of its attention that overlaps it
+    half = attention_windows([{"pe": "a", "t_start": 1.0, "t_end": 3.0, "attention_s": 0.8},
+                              {"pe": "b", "t_start": 1.0, "t_end": 2.0, "attention_s": 0.4}], dilation=1.0, window_s=1.0)
+    assert half[0]["attention"] == {"a": pytest.approx(0.4), "b": pytest.approx(0.4)}
+    assert half[0]["loaded"] and half[0]["max_over_avg"] == pytest.approx(1.0)
+    assert not half[1]["loaded"] and half[1]["max_over_avg"] == pytest.approx(2.0)  # only a: 0.4 vs mean 0.2
+
+
+def balance_folder(path, unfaithful=False):
+    cfg = balance_config(True)
+    f = RunFolder(path, dilation=K, topology="2p1d-io")
+    f.mode("dualpath-rr", passes=busy_passes([1.0, 1.5, 1.0, 0.5], loaded_windows=6))
+    f.mode("dualpath", faithful=not unfaithful, passes=busy_passes([1.0, 1.0, 1.2, 0.8], loaded_windows=6))
+    return f.write(plan=plan_json(cfg))
+
+
+def test_fig14_from_its_run(tmp_path):
+    balance_folder(tmp_path / "runs" / "r")
     out, res = reproduce_id("fig14", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
-    assert s["pngs"] == ["fig14.png"] and is_valid_png(out / "fig14.png")
+    assert s["pngs"] == ["fig14.png"] and is_valid_png(out / "fig14.png") and s["faithful"] is True
     h = {x["name"]: x for x in s["headline"]}
-    dp = h["DualPath: attention max/avg per forward step, mean over loaded steps"]
+    dp = h["DualPath: attention max/avg across PEs, mean over loaded windows"]
     assert dp["testbed"] == pytest.approx(1.2) and dp["paper"] == 1.06 and dp["bound"] == 1.0
-    assert h["+DualPath (round-robin): attention max/avg per forward step, mean over loaded steps"]["testbed"] == \
+    assert h["+DualPath (round-robin): attention max/avg across PEs, mean over loaded windows"]["testbed"] == \
         pytest.approx(1.5)
-    assert h["DualPath: loaded forward steps (count)"]["testbed"] == 6
+    assert h["DualPath: loaded windows (count)"]["testbed"] == 6
+
+
+def test_fig14_has_its_own_compute_loaded_run():
+    from testbed.reproduce.fig14 import APPEND_SCALE
+
+    cfg, sched = balance_config(True), scheduler_config(True)
+    assert cfg.digest() != sched.digest() and cfg.workload.append_scale == APPEND_SCALE > 1
+    assert cfg.topology == sched.topology and cfg.topology_overrides == sched.topology_overrides
 
 
 @pytest.mark.parametrize("fig", ["fig13", "fig14"])
 def test_unfaithful_run_makes_the_figure_unfaithful(tmp_path, fig):
-    balance_run(tmp_path / "runs" / "r", unfaithful=True)
+    (balance_run if fig == "fig13" else balance_folder)(tmp_path / "runs" / "r", unfaithful=True)
     out, _ = reproduce_id(fig, quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
     assert s["faithful"] is False and s["runs"][0]["unfaithful"] == {"dualpath": ["1 of 9 prefill passes overran (hand-built)"]}

@@ -84,8 +84,11 @@ def test_quick_plans_are_estimated_within_ten_minutes(fig_id):
     assert module(fig_id).plan(True).estimate_s() <= 600
 
 
-def test_fig13_and_fig14_share_their_run():
-    assert [c.digest() for c in module("fig13").plan(True).configs] == [c.digest() for c in module("fig14").plan(True).configs]
+def test_the_online_figures_share_their_runs():
+    grid = [c.digest() for c in module("fig10").plan(True).configs]
+    assert grid == [c.digest() for c in module("fig11").plan(True).configs]
+    left = {c.digest() for c in module("fig12").plan(True).configs if c.online}
+    assert left == {grid[0], grid[-1]}  # quick: the lowest and highest APS of the same grid
 
 
 def test_estimate_of_the_demo_matches_the_readme():
@@ -203,9 +206,9 @@ def test_cli_plan_runs_nothing():
 
 
 def test_cli_analyses_given_runs_without_root(tmp_path):
-    from tests.test_reproduce_balance import balance_run
+    from tests.test_reproduce_balance import balance_folder
 
-    balance_run(tmp_path / "runs" / "r")
+    balance_folder(tmp_path / "runs" / "r")
     r = dualpath("reproduce", "fig14", "--quick", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fig14: FAITHFUL" in r.stdout and "fig14.png" in r.stdout

@@ -46,7 +46,7 @@ def test_fig7_speedups_from_the_runs(tmp_path):
     for c in s["cells"]:
         assert c["speedup"] == pytest.approx(2.0) and c["dualpath_over_oracle"] == pytest.approx(1.25)
         assert c["jct_s"]["basic"] == pytest.approx(25.0 * c["agents"])
-    h = heads(s)["MaxLen 64K, 24 agents: DualPath speed-up over Basic (x)"]
+    h = heads(s)["MaxLen 64K, 16 agents: DualPath speed-up over Basic (x)"]
     assert h == {"name": h["name"], "testbed": 2.0, "paper": 1.78, "bound": 2.0}
     assert heads(s)["MaxLen 64K, 4 agents: DualPath speed-up over Basic (x)"]["paper"] is None
 
@@ -66,7 +66,7 @@ def test_fig7_missing_runs_are_reported(tmp_path):
     runs_for_plan(tmp_path / "runs", plan, fig7_jct)
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = summary(out)
-    assert s["complete"] is False and list(s["missing"]) == ["fig7/64K/agents=24"]
+    assert s["complete"] is False and list(s["missing"]) == ["fig7/64K/agents=16"]
     assert len(s["cells"]) == 1
 
 

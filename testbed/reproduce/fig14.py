@@ -1,12 +1,18 @@
-"""Figure 14: attention-time max/avg across the prefill engines per forward step, over time.
+"""Figure 14: attention-time max/avg across the prefill engines over time.
 
-From passes.jsonl: step k is each PE's k-th forward pass (the engines of a data-parallel group
-step together in the paper; testbed.metrics.forward_balance pairs them the same way); its
-ratio is max/avg of the passes' attention time (emulated: the target's time of each pass) across
-the PEs, at the mean start time of its passes. A step counts as loaded when every PE's pass was
-loaded (work was left for its next pass: the quota, not an empty queue, ended it); the paper
-measures while the engines are loaded (its first 5 %). Headline: the mean ratio over the loaded
-steps (the paper: 1.06; the issue asks <= 1.1). Reads the run of figure 13.
+The paper's engines of a data-parallel group step together (the EP AllToAll syncs them), so it
+compares their attention time per forward step. The testbed's engines pass independently, so
+the documented equivalent is per time window of WINDOW_S emulated seconds: each PE's attention
+time in the window (every pass's emulated attention time, prorated by its overlap with the
+window), max/avg across the PEs. A window counts as loaded when every PE was in a pass for at
+least LOAD_SHARE of it (the paper measures while the engines are loaded, its first 5 %).
+Headline: the mean ratio over the loaded windows (the paper: 1.06; the issue asks <= 1.1).
+
+Its own run, not figure 13's: figure 13's workload is I/O-bound on purpose, and there the PEs
+computed in under a fifth of each window after the cold burst, so one window was loaded. Here
+every turn appends 8x the demo's tokens, so the PEs' compute, not the storage NICs, is what they
+wait on (2p1d-io at x0.001, as figure 13, for the CPU headroom of four engines computing at once).
+The pairing of each engine's k-th pass is kept as a secondary series (attention_series).
 """
 from __future__ import annotations
 
@@ -15,22 +21,61 @@ from pathlib import Path
 from testbed import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, mean, median
-from testbed.reproduce.fig13 import scheduler_config
-from testbed.reproduce.plan import Plan
+from testbed.reproduce.fig13 import LINK_SCALE, TOPOLOGY
+from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
 ID = "fig14"
-TITLE = "Attention time max/avg across prefill engines per forward step"
+TITLE = "Attention time max/avg across prefill engines over time"
+WINDOW_S = 1.0  # emulated seconds per window
+LOAD_SHARE = 0.5  # a window is loaded when every PE was in a pass for this share of it
+APPEND_SCALE = 8.0
+
+
+def balance_config(quick: bool) -> RunConfig:
+    modes = ("dualpath-rr", "dualpath")
+    agents = 24 if quick else 48
+    return RunConfig(f"balance/2p1d-io/{agents}", TOPOLOGY, modes,
+                     WorkloadSpec(agents=agents, first_turn_tokens=1024, append_scale=APPEND_SCALE),
+                     topology_overrides={"scale": LINK_SCALE}, params={"agents": agents})
 
 
 def plan(quick: bool = False) -> Plan:
-    from testbed.reproduce.fig13 import plan as p13
+    cfg = balance_config(quick)
+    return Plan(ID, quick, [cfg], scale_down=(
+        f"2P1D (2p1d-io: 2 PE nodes x 2 engines = 4 prefill engines in one group, links x{LINK_SCALE:g}; the paper: "
+        f"one PE group of a 2P4D cluster); the demo workload with {cfg.workload.agents} agents, 1,024-token cold "
+        f"first turns and every append x{APPEND_SCALE:g}, so that the PEs are compute-loaded"))
 
-    p = p13(quick)
-    return Plan(ID, quick, p.configs, scale_down=p.scale_down + "; 2 PE nodes x 2 engines = 4 prefill engines in one group")
+
+def attention_windows(passes: list[dict], dilation: float, window_s: float = WINDOW_S,
+                      share: float = LOAD_SHARE) -> list[dict]:
+    """Per window (emulated s): each PE's attention time (prorated), max/avg, its busy shares, loaded."""
+    pes = sorted({b["pe"] for b in passes})
+    if len(pes) < 2:
+        return []
+    span = [(b["pe"], b["t_start"] / dilation, b["t_end"] / dilation, float(b["attention_s"])) for b in passes]
+    t0, t1 = min(s for _, s, _, _ in span), max(e for _, _, e, _ in span)
+    out, a = [], t0
+    while a < t1 - 1e-9:
+        b = a + window_s
+        att = dict.fromkeys(pes, 0.0)
+        busy = dict.fromkeys(pes, 0.0)
+        for pe, s, e, x in span:
+            ov = min(b, e) - max(a, s)
+            if ov > 0:
+                att[pe] += x * ov / (e - s) if e > s else x
+                busy[pe] += ov
+        avg = sum(att.values()) / len(att)
+        out.append({"t": a + window_s / 2, "t0": a, "t1": b, "attention": att,
+                    "max_over_avg": max(att.values()) / avg if avg > 0 else None,
+                    "min_busy_share": min(busy.values()) / window_s,
+                    "loaded": all(v >= share * window_s for v in busy.values())})
+        a = b
+    return out
 
 
 def attention_series(passes: list[dict], dilation: float, key: str = "attention_s") -> list[dict]:
-    """Per forward step: step index, t (emulated s, mean start of its passes), max/avg, loaded."""
+    """Per forward step (each PE's k-th pass): step, t (emulated s, mean start), max/avg, loaded."""
     per: dict[str, list[dict]] = {}
     for b in sorted(passes, key=lambda b: b["t_start"]):
         per.setdefault(b["pe"], []).append(b)
@@ -48,47 +93,57 @@ def attention_series(passes: list[dict], dilation: float, key: str = "attention_
 
 
 def balance(run, mode: str) -> dict:
-    ser = attention_series(run.passes(mode), run.dilation)
-    inside = [s["max_over_avg"] for s in ser if s["loaded"] and s["max_over_avg"] is not None]
-    loaded_t = [s["t"] for s in ser if s["loaded"]]
-    return {"mode": mode, "series": ser, "mean": mean(inside), "median": median(inside),
-            "max": max(inside) if inside else None, "loaded_steps": len(inside), "steps": len(ser),
-            "loaded_window": [min(loaded_t), max(loaded_t)] if loaded_t else None}
+    win = attention_windows(run.passes(mode), run.dilation)
+    inside = [w["max_over_avg"] for w in win if w["loaded"] and w["max_over_avg"] is not None]
+    loaded_t = [w["t"] for w in win if w["loaded"]]
+    steps = attention_series(run.passes(mode), run.dilation)
+    step_in = [s["max_over_avg"] for s in steps if s["loaded"] and s["max_over_avg"] is not None]
+    return {"mode": mode, "series": win, "mean": mean(inside), "median": median(inside),
+            "max": max(inside) if inside else None, "loaded_windows": len(inside), "windows": len(win),
+            "loaded_window": [min(loaded_t), max(loaded_t)] if loaded_t else None,
+            "per_step": {"mean_over_loaded_steps": mean(step_in), "loaded_steps": len(step_in), "steps": len(steps)}}
 
 
 def render(bal: dict[str, dict], out: Path) -> list[str]:
     if not any(b["series"] for b in bal.values()):
         return []
     fig, ax = plots.new_figure("Figure 14: attention time balance across prefill engines (one group of 4)",
-                               "time since the start (emulated s)", "max / avg attention time per forward step")
+                               "time since the start (emulated s)",
+                               f"max / avg attention time per {WINDOW_S:g} s window")
     for m, b in bal.items():
         ser = b["series"]
         plots.mode_line(ax, [s["t"] for s in ser], [s["max_over_avg"] for s in ser], m, marker="", lw=1)
         lo = [s for s in ser if s["loaded"] and s["max_over_avg"] is not None]
         ax.scatter([s["t"] for s in lo], [s["max_over_avg"] for s in lo], color=plots.color(m), s=14, zorder=5,
-                   label=f"{plots.label(m)}: loaded steps")
+                   label=f"{plots.label(m)}: loaded windows")
     plots.paper_hline(ax, paper.FIG14, f"paper (DualPath, first 5 % of the task): {paper.FIG14}")
     ax.axhline(1.0, color="black", lw=0.8, label="bound: perfect balance (1)")
     ax.set_ylim(0.95, max(1.6, max((s["max_over_avg"] or 0 for b in bal.values() for s in b["series"]), default=1.6) * 1.05))
-    return [plots.finish(fig, ax, out / "fig14.png", "Step k pairs each engine's k-th forward pass; dots: steps where every engine was loaded "
-                       "(the quota, not an empty queue, ended its pass). The headline is the mean over the dots.", ncol=2)]
+    return [plots.finish(fig, ax, out / "fig14.png",
+                         f"Each PE's attention time per window (passes prorated by overlap); dots: windows in which every "
+                         f"engine was in a pass >= {LOAD_SHARE:.0%} of the time. The headline is the mean over the dots.",
+                         ncol=2)]
 
 
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
-    cfg = scheduler_config(quick)
+    cfg = balance_config(quick)
     r = runs.get(cfg.key)
     bal = {m: balance(r, m) for m in cfg.modes if r is not None and r.has(m)}
-    heads = [Headline(f"{plots.label(m)}: attention max/avg per forward step, mean over loaded steps",
+    heads = [Headline(f"{plots.label(m)}: attention max/avg across PEs, mean over loaded windows",
                       bal[m]["mean"] if m in bal else None, paper.FIG14 if m == "dualpath" else None, 1.0)
              for m in cfg.modes]
-    heads += [Headline(f"{plots.label(m)}: loaded forward steps (count)", bal[m]["loaded_steps"], None, None) for m in bal]
+    heads += [Headline(f"{plots.label(m)}: loaded windows (count)", bal[m]["loaded_windows"], None, None) for m in bal]
+    heads += [Headline(f"{plots.label(m)}: attention max/avg per k-th pass, mean over loaded steps (secondary)",
+                       bal[m]["per_step"]["mean_over_loaded_steps"], None, 1.0) for m in bal]
     used = [UsedRun(cfg.key, r, tuple(bal))] if r is not None else []
-    notes = ["Attention time is each pass's emulated time (the target's), which the 300 ms compute quota keeps even "
-             "across engines; every mode packs passes to the quota, so round-robin is shown beside the scheduler.",
+    notes = ["Attention time is each pass's emulated time (the target's). A pass's time is capped by the 300 ms compute "
+             "quota, so a loaded engine's passes are near the cap in every mode; round-robin is shown beside the "
+             "scheduler.",
+             f"Window {WINDOW_S:g} emulated s; loaded: every PE in a pass for >= {LOAD_SHARE:.0%} of the window.",
              "Shape to reach (issue 11): <= 1.1 over the loaded window (the paper: 1.06)."]
     empty = [m for m, b in bal.items() if not b["series"]]
     if empty:
-        notes.insert(0, f"No forward steps for {', '.join(empty)}: the run has no passes.jsonl of them, or fewer than "
+        notes.insert(0, f"No forward passes for {', '.join(empty)}: the run has no passes.jsonl of them, or fewer than "
                         "two prefill engines.")
     return Result(ID, TITLE, heads, render(bal, out), used, data={"modes": bal}, notes=notes,
                   scale_down=plan(quick).scale_down)

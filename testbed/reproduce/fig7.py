@@ -23,8 +23,8 @@ TOPOLOGY = "1p1d-io"
 
 def grid(quick: bool) -> tuple[tuple[str, ...], tuple[int, ...], float]:
     """(MaxLen sets, agent counts, turns divisor)."""
-    # quick: one panel; with a third of the turns, 24 agents still make Basic storage-bound
-    return (("64K",), (4, 24), 3.0) if quick else (("32K", "48K", "64K"), (8, 16, 32), 1.0)
+    # quick: one panel; with a third of the turns, 16 agents still make Basic storage-bound
+    return (("64K",), (4, 16), 3.0) if quick else (("32K", "48K", "64K"), (8, 16, 32), 1.0)
 
 
 def plan(quick: bool = False) -> Plan:

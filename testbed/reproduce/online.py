@@ -56,11 +56,11 @@ def online_configs(quick: bool) -> list[RunConfig]:
     probe = RunConfig("probe", TOPOLOGY, MODES, WorkloadSpec(agents=24))
     cap = io_capacity_aps(probe, "dualpath")
     fractions = (0.3, 0.55, 0.8) if quick else (0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 1.1)
-    arrivals_s = 10.0 if quick else 20.0  # emulated seconds of arrivals per run
+    arrivals_s = 7.0 if quick else 20.0  # emulated seconds of arrivals per run
     out = []
     for f in fractions:
         aps = round(cap * f, 2)
-        agents = max(16 if quick else 24, round(aps * arrivals_s))
+        agents = max(12 if quick else 24, round(aps * arrivals_s))
         out.append(RunConfig(f"online/aps={aps:g}", TOPOLOGY, MODES, WorkloadSpec(agents=agents),
                              topology_overrides=dict(IO_1P1D_OVERRIDES), online=OnlineSpec(aps=aps, seed=0),
                              params={"aps": aps}))
