@@ -30,7 +30,7 @@ from testbed.fabric import Fabric
 from testbed.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector, lost_blocks
 from dualpath.store.keys import chain_keys
 from dualpath.control import ControlError
-from testbed.fidelity import link_use, verdict as fidelity_verdict
+from testbed.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import Monitor
 from testbed.runclock import RunClock
@@ -72,6 +72,7 @@ class ModeResult:
     cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
+    fidelity_notes: list = field(default_factory=list)  # overruns within the allowance (testbed/fidelity.py)
     dscp: dict = field(default_factory=dict)  # per namespace, bytes and packets it sent per DSCP class
     counters_s: float = 0.0  # testbed seconds between the counters' two snapshots
     rdma: dict | None = None  # transport rdma: the rxe counters' proof (dualpath.transport.rdma.prove)
@@ -174,8 +175,10 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.steps = steps
     res.links = [link_use(f"{node}/snic", fab.topo.snic_bps, window, [tuple(x) for x in node_loads],
                           fab.topo.spec.mtu) for node, node_loads in sorted(loads.items())]
-    res.faithful, res.unfaithful_reasons = fidelity_verdict(
-        (b["timing"] for b in co.batches), steps, res.cpu_busy, res.links, res.cpu_own)
+    timings = [b["timing"] for b in co.batches]
+    res.faithful, res.unfaithful_reasons = fidelity_verdict(timings, steps, res.cpu_busy, res.links, res.cpu_own,
+                                                            jct_s=jct)
+    res.fidelity_notes = tolerated_overruns(timings, steps) if res.faithful else []
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, snap.kv_payload, tolerance=TOLERANCE)
     if fab.transport == "rdma" and mode != "oracle":  # the oracle moves no KV: nothing to prove
@@ -378,6 +381,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
         peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
         out["modes"][res.mode] = {
             "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
+            "fidelity_notes": res.fidelity_notes,
             "requests": len(res.records), "errors": len(res.records) - len(ok),
             "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
             # per agent, arrival to its last turn's end: the online figures' JCT (offline, all arrive at once)

@@ -1,9 +1,14 @@
 """Is a run a result? The fidelity verdict of one mode (DESIGN.md section 3a, Mininet-HiFi's rule).
 
 A mode is FAITHFUL only when all of these held over its run:
-- no prefill pass and no decode step overran its emulated time: the CPU finished each one's real
-  compute inside the window the target GPU would have taken (dualpath/engines/clock.py states the
-  margin: 5 % of the window, at least 1 ms);
+- the prefill passes and the decode steps kept their emulated time: the CPU finished each one's
+  real compute inside the window the target GPU would have taken (dualpath/engines/clock.py
+  states the margin: 10 % of the window, at least 2 ms), all but at most OVERRUN_SHARE of each
+  kind (rounded down: a run of fewer than 100 passes may have none), and all the lateness
+  together came to at most LATENESS_MAX of the run's JCT. The allowance is for the lone
+  host hiccup: runs on a quiet machine at 30-45 % CPU still had one pass in ~200 slip 15-25 ms
+  (a 0.05 % JCT error); a CPU that cannot keep up overruns many (fig13's cold burst at x0.002:
+  3-4 of ~223, up to 260 ms late) and is still UNFAITHFUL. Every overrun is reported either way;
 - the machine's CPU was below saturation: busy share of all cores <= CPU_BUSY_MAX over the run;
 - every link that should have been saturated reached its rate: a storage NIC that was busy
   reading for at least SATURATED_SHARE of the run (its node's read queue was never empty then,
@@ -19,6 +24,8 @@ from typing import Iterable
 from testbed.metrics import busy_time
 
 CPU_BUSY_MAX = 0.85
+OVERRUN_SHARE = 0.01  # of a mode's passes (and, separately, of its steps) that may overrun
+LATENESS_MAX = 0.01  # all passes' and steps' lateness together, over the run's JCT
 SATURATED_SHARE = 0.5  # busy at least this share of the run: the link was a bottleneck
 SATURATION_MIN = 0.9  # a bottleneck link must carry at least this share of its payload rate
 
@@ -69,17 +76,33 @@ def link_use(nic: str, rate_bps: float, run: tuple[float, float], loads: Iterabl
                    sum(n for _, _, n in inside), payload_share(mtu))
 
 
+def _overruns(kind: str, recs: list[dict]) -> tuple[str, bool] | None:
+    """(what overran, whether that is beyond the allowance), or None if nothing did."""
+    late = [r for r in recs if r.get("overran")]
+    if not late:
+        return None
+    worst = max(late, key=lambda r: r["late_s"] / r["held_s"] if r.get("held_s") else 0)
+    text = (f"{len(late)} of {len(recs)} {kind} overran their emulated time (worst: "
+            f"{worst['late_s'] * 1e3:.1f} ms late on a {worst['held_s'] * 1e3:.1f} ms window)")
+    return text, len(late) > int(OVERRUN_SHARE * len(recs))
+
+
 def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
-            links: Iterable[LinkUse], cpu_own: float | None = None) -> tuple[bool, list[str]]:
+            links: Iterable[LinkUse], cpu_own: float | None = None,
+            jct_s: float | None = None) -> tuple[bool, list[str]]:
     """(faithful, reasons). `passes` and `steps` are PassTiming dicts with "overran";
-    `cpu_own`, if known, is the testbed's own processes' share of the CPU (said in the reason)."""
+    `cpu_own`, if known, is the testbed's own processes' share of the CPU (said in the reason);
+    `jct_s` (testbed s), if known, bounds the lateness of all passes and steps together."""
     reasons = []
-    for kind, recs in (("prefill passes", list(passes)), ("decode steps", list(steps))):
-        late = [r for r in recs if r.get("overran")]
-        if late:
-            worst = max(late, key=lambda r: r["late_s"] / r["held_s"] if r.get("held_s") else 0)
-            reasons.append(f"{len(late)} of {len(recs)} {kind} overran their emulated time (worst: "
-                           f"{worst['late_s'] * 1e3:.1f} ms late on a {worst['held_s'] * 1e3:.1f} ms window)")
+    passes, steps = list(passes), list(steps)
+    for kind, recs in (("prefill passes", passes), ("decode steps", steps)):
+        o = _overruns(kind, recs)
+        if o is not None and o[1]:
+            reasons.append(o[0])
+    late_s = sum(r.get("late_s", 0.0) for r in passes + steps)
+    if jct_s and late_s > LATENESS_MAX * jct_s:
+        reasons.append(f"passes and steps were {late_s * 1e3:.0f} ms late in all, {late_s / jct_s:.1%} of the "
+                       f"run's JCT (limit {LATENESS_MAX:.0%})")
     if cpu_busy > CPU_BUSY_MAX:
         own = f"; the testbed's processes {cpu_own:.0%}, the rest softirq and other work" if cpu_own is not None else ""
         reasons.append(f"CPU busy {cpu_busy:.0%} of both cores over the run (limit {CPU_BUSY_MAX:.0%}{own}): "
@@ -89,3 +112,13 @@ def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
             reasons.append(f"{u.nic} was the bottleneck ({u.busy_share:.0%} of the run busy) but carried "
                            f"{u.rate_share:.0%} of its rate while busy (need {SATURATION_MIN:.0%})")
     return not reasons, reasons
+
+
+def tolerated(passes: Iterable[dict], steps: Iterable[dict]) -> list[str]:
+    """The overruns within the allowance, said in the report beside a FAITHFUL verdict."""
+    out = []
+    for kind, recs in (("prefill passes", list(passes)), ("decode steps", list(steps))):
+        o = _overruns(kind, recs)
+        if o is not None and not o[1]:
+            out.append(f"{o[0]}: within the allowance of {OVERRUN_SHARE:.0%}")
+    return out

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from testbed.check import RATE_OK, MODEL_KEEP_OK, CheckReport
-from testbed.fidelity import CPU_BUSY_MAX, SATURATION_MIN
+from testbed.fidelity import CPU_BUSY_MAX, OVERRUN_SHARE, SATURATION_MIN
 
 
 def _mbit(bps: float) -> str:
@@ -54,8 +54,8 @@ def _ms(x: float | None) -> str:
 def run_verdict(summary: dict) -> str:
     """The run's verdict in one line: a result only when every mode is FAITHFUL (testbed/fidelity.py)."""
     bad = [m for m, v in summary["modes"].items() if not v["faithful"]]
-    rules = (f"no pass or step overran its emulated window, mean CPU busy <= {CPU_BUSY_MAX:.0%}, every "
-             f"bottleneck storage NIC carried >= {SATURATION_MIN:.0%} of its rate")
+    rules = (f"passes and steps kept their emulated windows (at most {OVERRUN_SHARE:.0%} overran), mean CPU busy "
+             f"<= {CPU_BUSY_MAX:.0%}, every bottleneck storage NIC carried >= {SATURATION_MIN:.0%} of its rate")
     if not bad:
         return f"verdict: FAITHFUL in every mode ({rules})"
     return f"verdict: UNFAITHFUL in {', '.join(bad)}: not a result (reasons under each mode)"
@@ -79,6 +79,8 @@ def verdict_lines(summary: dict) -> list[str]:
                      f"  TPOT p50 {_ms(m['tpot_s']['p50'])} ms  CPU {m['cpu_busy']:.0%} (own {m.get('cpu_testbed_processes', 0):.0%})")
         for why in m.get("unfaithful_reasons", []):
             lines.append(f"{'':<14} - {why}")
+        for note in m.get("fidelity_notes", []):
+            lines.append(f"{'':<14} note: {note}")
     return lines
 
 

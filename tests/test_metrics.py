@@ -70,3 +70,25 @@ def test_overran_steps_are_counted_in_the_reason():
     steps = [{"overran": True, "late_s": 0.02, "held_s": 0.1}, {"overran": False, "late_s": 0.0, "held_s": 0.1}]
     ok, reasons = verdict([], steps, 0.2, [])
     assert not ok and reasons == ["1 of 2 decode steps overran their emulated time (worst: 20.0 ms late on a 100.0 ms window)"]
+
+
+def test_one_overrun_in_a_hundred_is_tolerated_and_said_more_is_unfaithful():
+    from testbed.fidelity import tolerated
+
+    ok_pass = {"overran": False, "late_s": 0.001, "held_s": 0.1}
+    slip = {"overran": True, "late_s": 0.02, "held_s": 0.1}
+    lone = [slip] + [ok_pass] * 199  # one slip in 200: within the 1 % allowance
+    assert verdict(lone, [], 0.4, [], jct_s=60.0) == (True, [])
+    assert tolerated(lone, []) == ["1 of 200 prefill passes overran their emulated time (worst: 20.0 ms late on a "
+                                   "100.0 ms window): within the allowance of 1%"]
+    three = [slip] * 3 + [ok_pass] * 197  # 3 in 200: beyond int(0.01 * 200) = 2
+    ok, reasons = verdict(three, [], 0.4, [], jct_s=60.0)
+    assert not ok and reasons[0].startswith("3 of 200 prefill passes overran") and tolerated(three, []) == []
+    assert not verdict([slip] + [ok_pass] * 98, [], 0.4, [])[0]  # 99 passes: no allowance at all
+
+
+def test_lateness_beyond_a_percent_of_the_jct_is_unfaithful_even_without_overruns():
+    late = [{"overran": False, "late_s": 0.009, "held_s": 0.1}] * 200  # each within its margin: 1.8 s in all
+    ok, reasons = verdict(late, [], 0.4, [], jct_s=100.0)
+    assert not ok and "1800 ms late in all, 1.8% of the run's JCT" in reasons[0]
+    assert verdict(late, [], 0.4, [], jct_s=200.0) == (True, [])  # 0.9 %
