@@ -26,14 +26,14 @@ from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
 ID = "fig14"
 TITLE = "Attention time max/avg across prefill engines over time"
-WINDOW_S = 1.0  # emulated seconds per window
+WINDOW_S = 0.5  # emulated seconds per window: about two full 300 ms passes
 LOAD_SHARE = 0.5  # a window is loaded when every PE was in a pass for this share of it
 APPEND_SCALE = 8.0
 
 
 def balance_config(quick: bool) -> RunConfig:
     modes = ("dualpath-rr", "dualpath")
-    agents = 24 if quick else 48
+    agents = 48 if quick else 96  # the loaded phase is the cold burst (the paper's first 5 %): more agents, longer
     return RunConfig(f"balance/2p1d-io/{agents}", TOPOLOGY, modes,
                      WorkloadSpec(agents=agents, first_turn_tokens=1024, append_scale=APPEND_SCALE),
                      topology_overrides={"scale": LINK_SCALE}, params={"agents": agents})
