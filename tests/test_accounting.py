@@ -195,3 +195,15 @@ def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named
     assert interfaces_of(r, "qos_on") == {}
     assert interfaces_of(RequestRecord("r1", 0, 0, "basic", "pe", pe="dpt-p0e0", de="dpt-d0e0", pe_node="dpt-p0",
                                        de_node="dpt-d0", hit_bytes=H, miss_bytes=M), "basic")
+
+
+def test_retransmitted_segments_are_read_from_a_namespaces_snmp_table(tmp_path):
+    from testbed.counters import tcp_retransmitted_segments
+
+    snmp = tmp_path / "snmp"
+    snmp.write_text("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+                    "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 99 17 0\n")
+    assert tcp_retransmitted_segments(snmp) == 17
+    snmp.write_text("Ip: Forwarding\nIp: 1\n")  # no Tcp table: nothing to count, no crash
+    assert tcp_retransmitted_segments(snmp) == 0
+    assert tcp_retransmitted_segments(tmp_path / "gone") == 0  # the namespace's process has exited

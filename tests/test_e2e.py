@@ -173,8 +173,8 @@ def test_chunked_and_split_prefill_match_recomputation(scheduled):
 def test_chunked_and_split_prefill_nic_bytes_match_the_path_definitions(scheduled):
     for mode, m in scheduled["modes"].items():
         acc = m["kv_bytes_vs_expected"]  # chunks' past reads (R) and split reads are accounted for
-        assert acc["within"] == acc["nics"], (mode, m.get("retried_requests"),
-                                              [r for r in acc["per_nic"] if not r["ok"]])
+        assert acc["within"] == acc["nics"], (mode, m.get("retried_requests"), m.get("tcp_retransmitted_segments"),
+                                              m.get("drops"), [r for r in acc["per_nic"] if not r["ok"]])
 
 
 def test_every_decision_was_pulled_by_an_engine_group_leader(scheduled):
