@@ -78,7 +78,7 @@ def snapshot(fab: Fabric) -> Snapshot:
             if classes:
                 _add(snap.model_wire, key, stats.get(class_for(True, MODEL), (0, 0, 0))[0])
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
-    if fab.net is not None:
+    if getattr(fab, "net", None) is not None:  # a live Mininet (a stand-in fabric has none)
         for ep in fab.endpoints:
             snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
     return snap
