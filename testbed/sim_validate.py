@@ -82,11 +82,19 @@ def stages(records: Sequence) -> dict[str, float | None]:
 # --------------------------------------------------------------------------- the run's configuration
 
 def run_topology(run: Run) -> Topology:
-    """The run's topology, read as the file is now (topologies/<name>.yaml)."""
+    """The run's topology, read as the file is now (topologies/<name>.yaml). A run made when the
+    file had other rates (its dilation differs) is refused: simulating it would compare the run
+    with a cluster it never ran on."""
     path = TOPOLOGIES / f"{run.topology}.yaml"
     if not path.exists():
         raise ValueError(f"{run.path}: topology {run.topology!r} has no file {path}")
-    return load_topology(path)
+    topo = load_topology(path)
+    ran = run.summary.get("dilation")
+    now = topo.dilation(run_geometry(run).kv_bytes_per_token)
+    if ran is not None and abs(float(ran) - now) > 1e-3 * now:
+        raise ValueError(f"{run.path}: it ran {run.topology} at dilation {float(ran):g}, but {path.name} now gives "
+                         f"{now:g} (its scale or rates changed); fix: run it again (dualpath run topologies/{path.name} ...)")
+    return topo
 
 
 def run_geometry(run: Run) -> Geometry:

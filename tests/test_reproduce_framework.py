@@ -92,10 +92,11 @@ def test_the_online_figures_share_their_runs():
 
 
 def test_estimate_of_the_demo_matches_the_readme():
-    """The README: the demo (24 agents, 5 modes on 1p1d-io) takes about two and a half minutes."""
+    """The README: the demo (24 agents, 5 modes on 1p1d-io) takes about three and a half minutes
+    (208 s measured on a quiet machine)."""
     cfg = RunConfig("demo", "1p1d-io", ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle"), WorkloadSpec())
     e = estimate(cfg)
-    assert 100 <= e["total_s"] <= 225 and e["requests"] == 234
+    assert 150 <= e["total_s"] <= 300 and e["requests"] == 234
     assert e["limited_by"]["basic"] == "storage NICs" and e["per_mode_s"]["basic"] > 1.8 * (e["per_mode_s"]["dualpath"] - 2)
 
 

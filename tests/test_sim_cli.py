@@ -77,3 +77,17 @@ def test_aggregate_judges_the_targets_and_the_held_out_rows_apart():
     assert not sv.aggregate([row(0.01, False), row(0.06, True)])["meets_targets"]  # max > 5 %
     assert not sv.aggregate([row(0.01, False, ttft=0.08)])["meets_targets"]
     assert not sv.aggregate([row(0.01, False, snic=-0.06)])["meets_targets"]
+
+
+def test_a_run_made_at_another_dilation_is_refused(tmp_path):
+    """A committed run whose topology file has since changed its scale is not silently simulated
+    at the new rates: the error names the run, both dilations and the fix."""
+    from testbed.reproduce.runs import Run
+
+    summary = {"topology": "1p1d-io", "dilation": 3.125, "time": {"kv_bytes_per_token": {"testbed": 2048}}, "modes": {}}
+    run = Run(tmp_path, summary)
+    now = sv.load_topology(REPO / "topologies" / "1p1d-io.yaml").dilation(2048)
+    assert now != pytest.approx(3.125)
+    with pytest.raises(ValueError, match=r"dilation 3\.125.*1p1d-io\.yaml now gives.*run it again"):
+        sv.run_topology(run)
+    assert sv.run_topology(Run(tmp_path, {**summary, "dilation": now})).name == "1p1d-io"

@@ -102,7 +102,7 @@ def test_the_time_scale_follows_the_target_and_the_link_scale():
 
 
 def test_cli_topo_prints_target_and_dilation():
-    r = dualpath("topo", str(REPO / "topologies" / "1p1d-io.yaml"))
+    r = dualpath("topo", str(REPO / "topologies" / "1p1d.yaml"))
     assert r.returncode == 0, r.stderr
     assert "target qwen2.5-32b on h800" in r.stdout and "one emulated second lasts 3.12 s here" in r.stdout
 
