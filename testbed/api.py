@@ -129,7 +129,8 @@ class Testbed:
 
     def build(self) -> None:
         from testbed.cleanup import find_leftovers
-        from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, STORAGE_BRIDGE, STORAGE_NET, Fabric
+        # Not testbed.cluster: it imports torch (2 s here), which a fabric-only bring-up never needs.
+        from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_NET, Fabric
         from testbed.shell import run
 
         left = find_leftovers(exclude_pids={os.getpid()})
@@ -141,8 +142,6 @@ class Testbed:
         self.fabric = Fabric(self.topo, self.transport)  # rdma: an rxe device per namespace
         self.fabric.up()
         storage_ip = str(STORAGE_NET[STORAGE_CLIENT_HOST])
-        from testbed.cluster import CONDUCTOR_IP
-
         run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
                                          f"addr replace {storage_ip}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
         self.timings["fabric_s"] = round(time.monotonic() - t0, 3)

@@ -31,11 +31,10 @@ from dualpath.control import SECRET_BYTES, AsyncRpcClient, Auth, RpcClient
 from dualpath.kv.layouts import BlockGeometry
 from emulators.kvstore.launch import ServerProcess
 from testbed.cleanup import TMPFS_SOURCE
-from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, Endpoint, Fabric, engine_groups
+from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, Endpoint, Fabric, engine_groups
 from testbed.shell import ns_argv, run
 
 REPO = Path(__file__).resolve().parent.parent
-CONDUCTOR_IP = str(COMPUTE_NET[-2])  # on the compute bridge, in the root namespace
 CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
 STORE_PORT = 7000
 

@@ -38,6 +38,7 @@ COMPUTE_BRIDGE = f"{PREFIX}-cbr"
 STORAGE_BRIDGE = f"{PREFIX}-sbr"
 COMPUTE_NET = ipaddress.ip_network("10.77.0.0/16")
 STORAGE_NET = ipaddress.ip_network("10.78.0.0/16")
+CONDUCTOR_IP = str(COMPUTE_NET[-2])  # on the compute bridge, in the root namespace
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,21 @@ def test_sigkilled_runner_is_cleaned_by_down(no_leftovers):
     assert find_leftovers().empty(), find_leftovers()
 
 
+def test_a_fabric_only_bring_up_does_not_import_torch(no_leftovers):
+    """torch takes about 2 s to import here, 4/5 of `up --detach`; a fabric without services never
+    needs it (the bring-up target is <= 2 s to a usable fabric)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys\nfrom testbed import Testbed\nwith Testbed('1p1d') as tb:\n"
+            "    print(sorted(m for m in ('torch', 'testbed.cluster') if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
+
+
 HOLDER = """
 import sys, time
 from testbed import Testbed
