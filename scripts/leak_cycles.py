@@ -125,13 +125,35 @@ def one_detached_cycle(topo: str, ending: str) -> tuple[float, float, str]:
     return up_s, time.monotonic() - t0, find_leftovers().summary()
 
 
+class _Tee:
+    """stdout to the terminal and to the --log file at once."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--topology", default=str(REPO / "topologies" / "1p1d.yaml"))
     ap.add_argument("--run-every", type=int, default=10, help="every Nth cycle is a whole `dualpath run` (0: none)")
     ap.add_argument("--detach", action="store_true", help="cycle `dualpath up --detach` and its endings")
+    ap.add_argument("--log", type=Path, help="also write every line to this file, after the command that made it")
     args = ap.parse_args()
+    if args.log:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout = _Tee(sys.stdout, args.log.open("w"))
+        print(f"produced by: .venv/bin/python scripts/leak_cycles.py {' '.join(sys.argv[1:])}\n"
+              f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPUs")
     if not find_leftovers().empty():
         print("leftovers exist before the first cycle; run `dualpath clean` first", file=sys.stderr)
         return 2

@@ -767,6 +767,8 @@ def main() -> None:
         # Everything the run made is already torn down (context managers); say what failed.
         typer.echo(f"dualpath: error: {e}", err=True)
         sys.exit(1)
+    if code == 130:  # typer turns KeyboardInterrupt (Ctrl-C, SIGTERM) into exit code 130 itself
+        typer.echo("dualpath: interrupted; torn down", err=True)
     sys.exit(code if isinstance(code, int) else 0)
 
 

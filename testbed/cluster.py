@@ -249,26 +249,47 @@ class Cluster:
         return self.loop.run_until_complete(coro)
 
     def stop(self) -> None:
+        """Every step runs even if one before it raised; the first error is raised after. A
+        Ctrl-C that a request task caught comes back out of the loop's drain (asyncio re-raises
+        KeyboardInterrupt), and must not leave the store's tmpfs mounted."""
+        first: BaseException | None = None
+        for step in (self._close_clients, self._drain_loop, self._close_loop, self._stop_processes, self._unmount):
+            try:
+                step()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _close_clients(self) -> None:
         for c in (*self.clients.values(), *self.loaders.values(), *self.jobs.values()):
             c.close()
         self.clients.clear()
         self.loaders.clear()
         self.jobs.clear()
+
+    def _drain_loop(self) -> None:
         if not self.loop.is_closed():  # whatever still runs on the loop (reply readers, a failed
             pending = asyncio.all_tasks(self.loop)  # run's requests) ends before the loop goes
             for t in pending:
                 t.cancel()
             if pending:
                 self.loop.run_until_complete(asyncio.wait(pending, timeout=5))
+
+    def _close_loop(self) -> None:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
         if not self.loop.is_closed():
             self.loop.close()
+
+    def _stop_processes(self) -> None:
         for p in self.procs.values():
             p.stop()
         for s in self.stores:
             s.stop()
+
+    def _unmount(self) -> None:
         for root in list(self.disk_mounts):
             run(["umount", "-l", str(root)], check=False)
             del self.disk_mounts[root]

@@ -1,0 +1,55 @@
+"""Cluster.stop tears everything down even when a step raises: a Ctrl-C that a request task
+caught comes back out of the event loop's drain, and the store's tmpfs must still be unmounted
+(the 100-cycle soak found one left behind in 1 of 3 interrupted runs)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+from pathlib import Path
+
+import pytest
+
+import testbed.cluster as cluster_mod
+from testbed.cluster import Cluster
+
+
+def _bare_cluster(loop: asyncio.AbstractEventLoop, mounts: dict[Path, int]) -> Cluster:
+    c = Cluster.__new__(Cluster)  # no fabric: only what stop() touches
+    c.clients, c.loaders, c.jobs, c.procs, c.stores = {}, {}, {}, {}, []
+    c.loop, c.ctx, c.disk_mounts = loop, None, dict(mounts)
+    return c
+
+
+def test_a_keyboard_interrupt_caught_by_a_task_still_unmounts_the_store(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(cluster_mod, "run", lambda argv, **kw: calls.append(argv))
+
+    async def request():  # a request in flight when Ctrl-C came: it raises it when cancelled
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+
+    loop = asyncio.new_event_loop()
+    loop.create_task(request())
+    loop.run_until_complete(asyncio.sleep(0))  # the task is now waiting
+    c = _bare_cluster(loop, {tmp_path / "store": 1 << 20})
+    with pytest.raises(KeyboardInterrupt):
+        c.stop()
+    assert calls == [["umount", "-l", str(tmp_path / "store")]]
+    assert c.disk_mounts == {} and loop.is_closed()
+    # The drain's own `asyncio.wait` never started: collect it now, not in the middle of a later
+    # import, where its "never awaited" warning trips CPython 3.11's AST recursion check.
+    del c, loop
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gc.collect()
+
+
+def test_a_clean_stop_raises_nothing_and_unmounts(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(cluster_mod, "run", lambda argv, **kw: calls.append(argv))
+    c = _bare_cluster(asyncio.new_event_loop(), {tmp_path / "a": 1, tmp_path / "b": 2})
+    c.stop()
+    assert sorted(x[-1] for x in calls) == [str(tmp_path / "a"), str(tmp_path / "b")]
