@@ -60,8 +60,15 @@ def one(name: str, faults: list[str], args: argparse.Namespace) -> dict:
     runs = sorted(p for p in out.iterdir() if p.is_dir())
     summary = json.loads((runs[-1] / "summary.json").read_text()) if runs and (runs[-1] / "summary.json").exists() else None
     return {"name": name, "faults": faults, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
-            "summary": summary, "folder": str(runs[-1]) if runs else None, "command": " ".join(["dualpath", *cmd[3:]]),
+            "summary": summary, "folder": _shown(runs[-1]) if runs else None,
+            "command": " ".join(["dualpath", *(_shown(a) for a in cmd[3:])]),
             "leftovers": find_leftovers().summary()}
+
+
+def _shown(arg) -> str:
+    """A path inside the repository as the table shows it: relative, naming no machine's folders."""
+    p = Path(arg)
+    return str(p.resolve().relative_to(REPO)) if p.is_absolute() and p.resolve().is_relative_to(REPO) else str(arg)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -82,7 +89,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--topology", default=str(REPO / "topologies" / "1p2d.yaml"))
+    ap.add_argument("--topology", default="topologies/1p2d.yaml", help="relative to the repository")
     ap.add_argument("--mode", default="dualpath")
     ap.add_argument("--trajectories", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)

@@ -673,7 +673,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
-    from testbed.experiment import run_to_folder
+    from testbed.experiment import run_to_folder, shown_path
     from testbed.report import e2e_lines
 
     t_start = time.monotonic()
@@ -696,7 +696,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     gens = sorted({u.gen_len for x in wl.trajectories for u in x.turns})
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
                f"shared system prompt {len(wl.system_prompt)} tokens"
-               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {ckpt}"
+               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {shown_path(ckpt)}"
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,

@@ -497,11 +497,23 @@ def interfaces_of(r: RequestRecord, mode: str) -> dict[str, int]:
     return out
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as a run's summary records it: relative to the repository when inside it, so a
+    committed result names no machine's folders."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
+
+
 def _decoder(checkpoint: str | Path | None) -> Callable[..., str] | None:
     """ids -> text with the checkpoint's tokenizer (special tokens kept unless `skip`), or None
-    for a model without one."""
+    for a model without one. A relative path is the repository's (see shown_path)."""
     from dualpath.workload.text import tokenizer_or_none
 
+    if checkpoint is not None and not Path(checkpoint).is_absolute():
+        checkpoint = REPO / checkpoint
     tok = tokenizer_or_none(checkpoint)
     if tok is None:
         return None
@@ -605,7 +617,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     f"(x {RunClock.of(topo, geom).dilation:.3g} on the testbed's clock)",
             "store_restart_after_s": RESTART_DELAY_S, "disk_full_for_s": DISK_FULL_S}
     summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
-                    "checkpoint": str(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
+                    "checkpoint": shown_path(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len,
                     "transport": results[0].transport if results else transport,
                     "workload": workload.config.to_dict(), **(extra or {})})

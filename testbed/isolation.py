@@ -27,7 +27,7 @@ from typing import Any, Callable
 from dualpath.traffic_classes import KV, MODEL
 from dualpath.workload import Workload
 from testbed.cluster import Cluster
-from testbed.experiment import ModeResult, _run_mode, run_geometry, summarize, write_results
+from testbed.experiment import ModeResult, _run_mode, run_geometry, shown_path, summarize, write_results
 from testbed.fabric import Fabric
 from testbed.kvload import KvLoad
 from testbed.runclock import RunClock
@@ -148,7 +148,7 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     for cond, block in info.items():
         summary["modes"][cond]["isolation"] = block
     summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
-                    "checkpoint": str(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
+                    "checkpoint": shown_path(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len, "workload": workload.config.to_dict(),
                     "experiment": "isolation", "kv_load": {"cc": cc, "flows": "one per engine, host port -> CNIC",
                                                            "settle_s": SETTLE_S, "saturated_min": LOAD_MIN},
