@@ -112,7 +112,8 @@ def main() -> int:
         print("\n".join(table(rows[-1:])[2:]), flush=True)
     lines = table(rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "table.md").write_text("\n".join(lines) + "\n\ncommands:\n" + "\n".join(
+    made_by = " ".join([".venv/bin/python scripts/fault_runs.py", *(_shown(a) for a in sys.argv[1:])])
+    (Path(args.out) / "table.md").write_text(f"produced by: `{made_by}`\n\n" + "\n".join(lines) + "\n\ncommands:\n" + "\n".join(
         f"- `{r['command']}` -> {r['folder']}" for r in rows) + "\n")
     print("\n".join(lines))
     ok = all(r["rc"] in (0, 1) and r["summary"] and r["leftovers"] == "nothing"
