@@ -88,6 +88,24 @@ def test_a_fabric_only_bring_up_does_not_import_torch(no_leftovers):
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout
 
 
+def test_an_interrupted_up_says_it_tore_down(no_leftovers):
+    """typer turns Ctrl-C into exit code 130 before our handler sees a KeyboardInterrupt; the
+    one line that says the fabric is gone must still be printed."""
+    import subprocess
+
+    from tests.conftest import CLI, REPO
+
+    p = subprocess.Popen([*CLI, "up", "topologies/1p1d.yaml", "--hold", "60"], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "Ctrl-C tears down" not in (p.stdout.readline() or "Ctrl-C tears down"):
+        pass
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and "dualpath: interrupted; torn down" in err, err
+    assert find_leftovers().empty()
+
+
 HOLDER = """
 import sys, time
 from testbed import Testbed
