@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from testbed.cleanup import find_leftovers  # noqa: E402
+from testbed.paths import shown_path  # noqa: E402
 
 RUNS = {  # name -> the --fault values of its run (T: emulated seconds after the first request)
     "snic": ["snic-down@0.5", "snic-up@1.5"],  # a mode of 4 trajectories lasts about 3 emulated s
@@ -60,15 +61,9 @@ def one(name: str, faults: list[str], args: argparse.Namespace) -> dict:
     runs = sorted(p for p in out.iterdir() if p.is_dir())
     summary = json.loads((runs[-1] / "summary.json").read_text()) if runs and (runs[-1] / "summary.json").exists() else None
     return {"name": name, "faults": faults, "rc": rc, "wall_s": round(time.monotonic() - t0, 1),
-            "summary": summary, "folder": _shown(runs[-1]) if runs else None,
-            "command": " ".join(["dualpath", *(_shown(a) for a in cmd[3:])]),
+            "summary": summary, "folder": shown_path(runs[-1]) if runs else None,
+            "command": " ".join(["dualpath", *(shown_path(a) for a in cmd[3:])]),
             "leftovers": find_leftovers().summary()}
-
-
-def _shown(arg) -> str:
-    """A path inside the repository as the table shows it: relative, naming no machine's folders."""
-    p = Path(arg)
-    return str(p.resolve().relative_to(REPO)) if p.is_absolute() and p.resolve().is_relative_to(REPO) else str(arg)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -112,7 +107,7 @@ def main() -> int:
         print("\n".join(table(rows[-1:])[2:]), flush=True)
     lines = table(rows)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    made_by = " ".join([".venv/bin/python scripts/fault_runs.py", *(_shown(a) for a in sys.argv[1:])])
+    made_by = " ".join([".venv/bin/python scripts/fault_runs.py", *(shown_path(a) for a in sys.argv[1:])])
     (Path(args.out) / "table.md").write_text(f"produced by: `{made_by}`\n\n" + "\n".join(lines) + "\n\ncommands:\n" + "\n".join(
         f"- `{r['command']}` -> {r['folder']}" for r in rows) + "\n")
     print("\n".join(lines))

@@ -673,7 +673,8 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
-    from testbed.experiment import run_to_folder, shown_path
+    from testbed.experiment import run_to_folder
+    from testbed.paths import shown_path
     from testbed.report import e2e_lines
 
     t_start = time.monotonic()

@@ -33,6 +33,7 @@ from dualpath.control import ControlError
 from testbed.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import Monitor
+from testbed.paths import REPO, shown_path
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 from testbed.scheduling import STALE_AFTER_S, ServiceRouter
@@ -495,16 +496,6 @@ def interfaces_of(r: RequestRecord, mode: str) -> dict[str, int]:
             who = (r.pe if nic.side == "pe" else r.de) if nic.kind == "cnic" else owner[nic.side]
             out[f"{who}/{nic.kind}/{direction}"] = n
     return out
-
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def shown_path(path: str | Path) -> str:
-    """A path as a run's summary records it: relative to the repository when inside it, so a
-    committed result names no machine's folders."""
-    p = Path(path).resolve()
-    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
 
 
 def _decoder(checkpoint: str | Path | None) -> Callable[..., str] | None:

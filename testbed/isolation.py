@@ -27,9 +27,10 @@ from typing import Any, Callable
 from dualpath.traffic_classes import KV, MODEL
 from dualpath.workload import Workload
 from testbed.cluster import Cluster
-from testbed.experiment import ModeResult, _run_mode, run_geometry, shown_path, summarize, write_results
+from testbed.experiment import ModeResult, _run_mode, run_geometry, summarize, write_results
 from testbed.fabric import Fabric
 from testbed.kvload import KvLoad
+from testbed.paths import shown_path
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 

@@ -17,6 +17,7 @@ from dualpath.engines.profile import time_prefill
 from dualpath.model import Transformer
 from dualpath.scheduler.batching import largest_fitting_chunk
 from dualpath.scheduler.cost_model import AttentionCostModel, ProfileSample
+from testbed.paths import shown_path
 
 
 def profile(checkpoint: Path, quota_s: float = 0.3, reps: int = 3) -> dict[str, Any]:
@@ -35,8 +36,6 @@ def profile(checkpoint: Path, quota_s: float = 0.3, reps: int = 3) -> dict[str, 
     # What the quota does to a request that would overflow it on its own.
     big_cached, big_new = 2048, 8192
     chunk = largest_fitting_chunk(fit, big_cached, big_new, 0.0, quota_s)
-    from testbed.experiment import shown_path
-
     return {"checkpoint": shown_path(checkpoint), "quota_s": quota_s, "cost_model": fit.to_dict(),
             "samples": [{"batch": list(s.batch), "seconds": s.seconds} for s in samples],
             "held_out": checks, "median_rel_error_held_out": statistics.median(x["rel_error"] for x in checks),

@@ -54,9 +54,3 @@ def test_a_clean_stop_raises_nothing_and_unmounts(monkeypatch, tmp_path):
     c.stop()
     assert sorted(x[-1] for x in calls) == [str(tmp_path / "a"), str(tmp_path / "b")]
 
-
-def test_a_checkpoint_inside_the_repository_is_recorded_by_its_relative_path(tmp_path):
-    from testbed.experiment import REPO, shown_path
-
-    assert shown_path(REPO / "build" / "checkpoints" / "tiny") == "build/checkpoints/tiny"
-    assert shown_path(tmp_path / "ckpt") == str(tmp_path / "ckpt")  # outside: as given
