@@ -355,6 +355,8 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                                   "target GPU's time) or cpu (the host's own time)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
             transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)"),
+            device: str = typer.Option("cpu", help="where the engines compute: cpu, or cuda (the model and its "
+                                       "KV in GPU memory; needs a GPU that torch sees)"),
             quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass "
                                          "(dualpath modes), milliseconds of predicted attention time"),
             first_turn_tokens: int = typer.Option(0, min=0, max=100_000, help="each trajectory's first turn "
@@ -372,7 +374,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns, faults=fault or [])
+             max_turns=max_turns, faults=fault or [], device=device)
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
@@ -391,7 +393,9 @@ REAL_TEXT_CONVERSATIONS, REAL_TEXT_TURNS, REAL_TEXT_GEN_LEN = 10, 6, 8
 def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
          model: str = typer.Option("tiny", help="tiny: the ablation ladder in emulated time (the default); "
                                    "smollm2: SmolLM2-135M-Instruct on real text in every mode that moves KV, "
-                                   "a correctness run on the host's own time")) -> None:
+                                   "a correctness run on the host's own time"),
+         device: str = typer.Option("cpu", help="where the engines compute: cpu, or cuda (needs a GPU that "
+                                    "torch sees)")) -> None:
     """The main job: the ablation ladder on the I/O-bound 1p1d-io, 24 agentic trajectories, in
     emulated time; the verdict, JCT and speed-up over basic beside its bound, tokens and KV against
     recomputation, bytes per NIC. With --model smollm2: a real model's greedy text instead."""
@@ -399,12 +403,14 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
         _fail(f"--model: the demo runs tiny or smollm2, not {model[:80]!r}; fix: choose one of them, or use "
               f"`dualpath run --model ...` for any other model")
     _need_root()
+    on = f" --device {device}" if device != "cpu" else ""
     if model == "tiny":
-        _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)")
+        _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)" if not on else f"dualpath demo{on}",
+                 device=device)
         return
-    _run_e2e(REAL_TEXT_TOPOLOGY, REAL_TEXT_MODES, REAL_TEXT_CONVERSATIONS, 0, None, out, "dualpath demo --model smollm2",
-             model="smollm2", gen_len=REAL_TEXT_GEN_LEN, max_turns=REAL_TEXT_TURNS, compute="cpu",
-             note=_real_text_time_note)
+    _run_e2e(REAL_TEXT_TOPOLOGY, REAL_TEXT_MODES, REAL_TEXT_CONVERSATIONS, 0, None, out,
+             f"dualpath demo --model smollm2{on}", model="smollm2", gen_len=REAL_TEXT_GEN_LEN,
+             max_turns=REAL_TEXT_TURNS, compute="cpu", note=_real_text_time_note, device=device)
 
 
 def _real_text_time_note(emulated_topo, geom) -> str:
@@ -572,7 +578,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
 
 
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
-                    model: Optional[str] = None, compute: Optional[str] = None):
+                    model: Optional[str] = None, compute: Optional[str] = None, device: str = "cpu"):
     """Everything a run can check before it brings anything up; one line and exit 2 otherwise.
     Returns (topology, modes, checkpoint, geometry)."""
     import tempfile
@@ -599,6 +605,12 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     if twice:
         _fail(f"--modes: {','.join(twice)} given more than once (each mode's results would overwrite the "
               f"other's); fix: name each mode once")
+    from dualpath.model.device import DeviceError, resolve_device
+
+    try:
+        resolve_device(device)
+    except DeviceError as e:
+        _fail(f"--device: {e}")
     ckpt = _model_checkpoint(model, checkpoint)
     try:
         preflight(ckpt)  # config.json and every safetensors header, without loading a tensor
@@ -669,7 +681,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
              compute: Optional[str] = None, note=None, max_turns: Optional[int] = None,
-             faults: Optional[list[str]] = None) -> None:
+             faults: Optional[list[str]] = None, device: str = "cpu") -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
@@ -678,7 +690,8 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from testbed.report import e2e_lines
 
     t_start = time.monotonic()
-    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute)
+    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute,
+                                               device=device)
     specs = _faults(t, faults or [])
     wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
     if note is not None:  # says what the run does about time, against the topology as written
@@ -701,7 +714,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
-                            faults=tuple(specs))
+                            faults=tuple(specs), device=device)
     for line in e2e_lines(summary):
         typer.echo(line)
     if "rdma" in summary:

@@ -116,12 +116,14 @@ class Cluster:
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
                  buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp",
                  tmpfs_stores: dict[str, int] | None = None,
-                 timing: dict | None = None, collectives: dict | None = None):
+                 timing: dict | None = None, collectives: dict | None = None, device: str = "cpu"):
         """`timing`: the engines' emulated clock ({dilation, prefill, decode}: the target's cost
         models as dicts); None keeps the host's own time. `collectives`: the per-layer AllToAll's
         bytes ({dispatch_per_token, combine_per_token}, RunClock.engine_collectives); every engine
-        of a group of two or more runs it with the group's others; None: no collectives."""
+        of a group of two or more runs it with the group's others; None: no collectives.
+        `device`: where the engines compute (cpu, or cuda: dualpath/model/device.py)."""
         self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
+        self.device = device
         self.timing = timing
         self.collectives = collective_configs(fab.endpoints, collectives) if collectives else {}
         self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
@@ -188,6 +190,7 @@ class Cluster:
                 self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
                     "--role", ep.role, "--checkpoint", str(self.checkpoint),
                     "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size),
+                    "--device", self.device,
                     *(["--timing", json.dumps(self.timing)] if self.timing else []),
                     *(["--collectives", json.dumps(self.collectives[ep.name])] if ep.name in self.collectives else [])])
         for p in self.procs.values():

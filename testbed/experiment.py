@@ -242,14 +242,15 @@ def _request_bytes(r: RequestRecord, mode: str) -> RequestBytes:
 
 
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
-           progress: Callable[[str], None], workers: int | None = None) -> None:
+           progress: Callable[[str], None], workers: int | None = None, device: str = "cpu") -> None:
     """Every request's tokens and loaded KV against a full recomputation (oracle excepted).
 
     Trajectories are independent, so they are recomputed in `workers` processes (default: one
     per core this process may use; the engines are gone by now), each with its own reference;
     one trajectory's requests of every mode go to one process, in turn order, so that each turn
     extends the reference's own KV of the turn before and a request seen in an earlier mode is
-    not computed again. Every process runs one thread: the same kernels, the same bits.
+    not computed again. Every process runs one thread: the same kernels, the same bits. The
+    reference computes on the engines' `device`: a GPU's kernels give other bits than the CPU's.
     """
     import os
 
@@ -263,6 +264,8 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
             if not r.error:
                 per_traj.setdefault(r.trajectory, []).append(
                     ((mi, ri), (r.prompt, r.gen_len, r.tokens, r.n_hit, r.pe_layer_hashes, r.de_layer_hashes)))
+    if workers is None and device == "cuda":
+        workers = 1  # one GPU: more processes would only queue on it, each with its own context
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = max(1, min(workers, len(per_traj)))
@@ -275,13 +278,13 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
     if workers == 1:
         for tid in trajs:
             keys, args = zip(*per_traj[tid])
-            verdicts.update(zip(keys, check_trajectory(str(checkpoint), geom, list(args))))
+            verdicts.update(zip(keys, check_trajectory(str(checkpoint), geom, list(args), device)))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futs = {tid: pool.submit(check_trajectory, str(checkpoint), geom, [a for _, a in per_traj[tid]])
+            futs = {tid: pool.submit(check_trajectory, str(checkpoint), geom, [a for _, a in per_traj[tid]], device)
                     for tid in trajs}
             for tid, fut in futs.items():
                 verdicts.update(zip((k for k, _ in per_traj[tid]), fut.result()))
@@ -314,10 +317,12 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
             progress: Callable[[str], None] = print, transport: str = "tcp",
-            quota_s: float = 0.3, faults: tuple[FaultSpec, ...] = (), seed: int = 0) -> list[ModeResult]:
+            quota_s: float = 0.3, faults: tuple[FaultSpec, ...] = (), seed: int = 0,
+            device: str = "cpu") -> list[ModeResult]:
     """Every mode on one cluster; with `faults`, every mode on a fresh cluster of its own (a
     fault kills processes and fills disks: the next mode must not inherit that), each mode
-    getting every fault."""
+    getting every fault. The engines, and the recomputation that checks them, compute on
+    `device`."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
@@ -329,7 +334,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     def cluster_for(folder: Path) -> Cluster:
         return Cluster(fab, folder, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
                        timing=clock.engine_timing(), collectives=clock.engine_collectives(),
-                       tmpfs_stores=tmpfs)
+                       tmpfs_stores=tmpfs, device=device)
 
     def up(cluster: Cluster) -> None:
         t0 = time.monotonic()
@@ -356,7 +361,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
             with cluster_for(run_dir / mode) as cluster:
                 up(cluster)
                 one(cluster, mode)
-    verify(results, checkpoint, geom, progress)
+    verify(results, checkpoint, geom, progress, device=device)
     return results
 
 
@@ -577,7 +582,7 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
 def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir: Path, command: str,
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
                   quota_s: float = 0.3, extra: dict[str, Any] | None = None,
-                  faults: tuple[FaultSpec, ...] = ()) -> dict[str, Any]:
+                  faults: tuple[FaultSpec, ...] = (), device: str = "cpu") -> dict[str, Any]:
     """One `dualpath run`: bring the topology up, run every mode (each with `faults`, seeded by
     the workload's seed), tear down, and write
     run_dir/{summary.json, records.jsonl, passes.jsonl, steps.jsonl, links.jsonl, report.md}.
@@ -599,7 +604,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
-                          seed=workload.config.seed)
+                          seed=workload.config.seed, device=device)
     summary = summarize(results, workload, geom, topo)
     if faults:
         summary["fault_injection"] = {
@@ -610,7 +615,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
                     "checkpoint": shown_path(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len,
-                    "transport": results[0].transport if results else transport,
+                    "transport": results[0].transport if results else transport, "device": device,
                     "workload": workload.config.to_dict(), **(extra or {})})
     conv = conversation(results, checkpoint, workload)
     if conv:

@@ -87,6 +87,9 @@ def verdict_lines(summary: dict) -> list[str]:
 def e2e_lines(summary: dict) -> list[str]:
     """The main job's summary: the verdict and times per mode, correctness, KV bytes per NIC."""
     lines = verdict_lines(summary)
+    if summary.get("device", "cpu") != "cpu":
+        lines.append(f"engines computed on {summary['device']}: weights and KV in GPU memory, staged through "
+                     f"page-locked host memory; checked against a recomputation on {summary['device']}")
     lines.append(f"{'mode':<14} {'reqs':>4} {'err':>3} {'tokens=recompute':>16} {'KV bit-exact (PE/DE)':>21} "
                  f"{'hit':>5} {'hit KV in HBM':>13} {'NIC bytes ok':>12}")
     for mode, m in summary["modes"].items():

@@ -17,6 +17,7 @@ import torch
 
 from dualpath.kv.layouts import BlockGeometry, pack_rows
 from dualpath.model import Transformer
+from dualpath.model.device import resolve_device
 
 
 @dataclass
@@ -49,9 +50,9 @@ class Reference:
 
     MAX_CONTEXTS = 256  # contexts kept for extension (one per live trajectory is enough)
 
-    def __init__(self, checkpoint: str, geom: BlockGeometry):
+    def __init__(self, checkpoint: str, geom: BlockGeometry, device: str = "cpu"):
         torch.set_num_threads(1)  # the engines run single-threaded: same kernels, same bits
-        self.model = Transformer.from_pretrained(checkpoint)
+        self.model = Transformer.from_pretrained(checkpoint, device=resolve_device(device))
         self.geom = geom
         self._cache: dict[tuple, tuple[list[int], object]] = {}
         self._contexts: dict[tuple, list] = {}  # tokens whose KV we computed -> that KV per layer
@@ -84,13 +85,14 @@ class Reference:
         return Verdict(ref_tokens == tokens, pe, de, wrong)
 
 
-_REFERENCES: dict[str, Reference] = {}  # per process: one model per checkpoint
+_REFERENCES: dict[tuple[str, str], Reference] = {}  # per process: one model per checkpoint and device
 
 
-def check_trajectory(checkpoint: str, geom: BlockGeometry, requests: list[tuple]) -> list[Verdict]:
+def check_trajectory(checkpoint: str, geom: BlockGeometry, requests: list[tuple], device: str = "cpu"
+                     ) -> list[Verdict]:
     """One trajectory's requests (`Reference.check`'s arguments, in turn order, every mode's in a
-    row) against this process's reference: a worker of `testbed.experiment.verify`."""
-    ref = _REFERENCES.get(checkpoint)
+    row) against this process's reference on `device`: a worker of `testbed.experiment.verify`."""
+    ref = _REFERENCES.get((checkpoint, device))
     if ref is None or ref.geom != geom:
-        ref = _REFERENCES[checkpoint] = Reference(checkpoint, geom)
+        ref = _REFERENCES[(checkpoint, device)] = Reference(checkpoint, geom, device)
     return [ref.check(*args) for args in requests]

@@ -13,7 +13,10 @@ path feeds it. The implementations:
 - OracleConnector: nothing moves (all I/O skipped; the past KV is zeros).
 
 Each connector keeps "HBM" honest: past KV occupies the engine's registered
-memory only between its load and its last use, and the peak is reported.
+memory only between its load and its last use, and the peak is reported. On a GPU
+(`device` cuda) that memory is the page-locked host staging of the engine's HBM: a
+layer's past goes H2D when the layer asks for it, and its new KV comes back D2H into
+the rows its WRITE sends (dualpath/model/device.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from dualpath.kv.check import crc as kv_crc
 from dualpath.kv.check import stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, pack_rows, unpack_layer
+from dualpath.model.device import to_device
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -103,8 +107,9 @@ class ConnectorStats:
 
 class KVConnector(ABC):
     def __init__(self, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, device: str | torch.device = "cpu"):
         self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
+        self.device = torch.device(device)  # where the model computes (the past goes there)
         self.timeout_s = timeout_s
         self.stats = ConnectorStats()
         self._past_resident = 0
@@ -146,7 +151,7 @@ class KVConnector(ABC):
     def _view(self, off: int, n_tokens: int) -> KV:
         rows = self._rows(off, n_tokens)
         self.stats.layer_hashes.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
-        return unpack_layer(rows, self.geom)
+        return to_device(unpack_layer(rows, self.geom), self.device)
 
     def _post_read(self, plan: LoadPlan, layer: int, off: int) -> list:
         """READ layer `layer` of the past into HBM at `off`: one descriptor list per source."""
@@ -286,7 +291,7 @@ class OracleConnector(KVConnector):
     def start_load(self, plan: LoadPlan) -> None:
         self.plan = plan
         shape = (plan.n_past, self.geom.n_kv_heads, self.geom.head_dim)
-        self.zeros = torch.zeros(shape, dtype=self.geom.dtype)
+        self.zeros = torch.zeros(shape, dtype=self.geom.dtype, device=self.device)
 
     def wait_for_layer(self, layer: int) -> KV | None:
         return (self.zeros, self.zeros) if self.plan.n_past else None

@@ -25,6 +25,7 @@ from dualpath.kv.buffers import ByteAllocator
 from dualpath.kv.check import crc, stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, build_full_block, unpack_layer
+from dualpath.model.device import to_device
 
 KV = tuple[torch.Tensor, torch.Tensor]
 REREAD_AFTER_S = 0.002  # a late layer is read again after this long (its WRITE is still landing)
@@ -55,8 +56,9 @@ class DecodeStats:
 
 class DecodeConnector(ABC):
     def __init__(self, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, device: str | torch.device = "cpu"):
         self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
+        self.device = torch.device(device)  # where the decode batch's KV lives (the prompt goes there)
         self.timeout_s = timeout_s
         self.stats = DecodeStats()
 
@@ -136,7 +138,7 @@ class BufferDecodeConnector(DecodeConnector):
             a = self._off + l * self._layer_bytes
             rows = torch.from_numpy(self.hbm[a:a + self._layer_bytes]).view(p.n_prompt, bpt)
             self.stats.layer_hashes.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
-            k, v = unpack_layer(rows, g)
+            k, v = to_device(unpack_layer(rows, g), self.device)
             kv.append((k.contiguous(), v.contiguous()))
         self.alloc.free(self._off)  # the KV now lives in the decode batch's tensors
         self._off = None
@@ -182,7 +184,7 @@ class OracleDecodeConnector(DecodeConnector):
 
     def poll_load(self) -> list[KV] | None:
         g = self.geom
-        z = torch.zeros((self.plan.n_prompt, g.n_kv_heads, g.head_dim), dtype=g.dtype)
+        z = torch.zeros((self.plan.n_prompt, g.n_kv_heads, g.head_dim), dtype=g.dtype, device=self.device)
         return [(z, z.clone()) for _ in range(g.n_layer)]
 
     def save_block(self, block: int, kv: list[KV]) -> None:

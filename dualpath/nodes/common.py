@@ -75,8 +75,9 @@ def base_args(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def make_agent(args, region: str, nbytes: int, kind: str):
-    """A kv-class NIXL agent on `args.iface` with one registered region of `nbytes`."""
+def make_agent(args, region: str, nbytes: int, kind: str, buf: np.ndarray | None = None):
+    """A kv-class NIXL agent on `args.iface` with one registered region of `nbytes` (`buf`,
+    or zeros)."""
     from dualpath.transport import Agent
     from dualpath.transport.env import parse_port_range
 
@@ -85,7 +86,8 @@ def make_agent(args, region: str, nbytes: int, kind: str):
     # polls its own transfers; a second thread there would only contend for UCX's lock.
     agent = Agent(args.name, args.iface, "kv", args.transport, port_range=rng,
                   progress_thread=(kind == "dram"))
-    buf = np.zeros(nbytes, dtype=np.uint8)  # calloc: pages appear as they are touched
+    if buf is None:
+        buf = np.zeros(nbytes, dtype=np.uint8)  # calloc: pages appear as they are touched
     agent.register(region, buf, kind=kind)
     return agent, buf
 

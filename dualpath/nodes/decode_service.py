@@ -127,7 +127,7 @@ class DecodeService:
             self.jobs.send_multipart([ident, b"", pack({"ok": False, "id": rid, "error": f"decode: {why}"})])
             return
         conn_cls = BufferDecodeConnector if plan.src is not None else OracleDecodeConnector
-        conn = conn_cls(self.agent, self.hbm, self.alloc, self.geom)
+        conn = conn_cls(self.agent, self.hbm, self.alloc, self.geom, device=self.batcher.model.device)
         self.batcher.admit(DecodeJob(plan, a["first_token"], a["t_first_token"], conn, reply=(ident, rid)))
 
     def _answer(self, job: DecodeJob) -> None:

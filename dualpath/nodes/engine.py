@@ -1,5 +1,8 @@
 """Engine process: one "GPU" (model + registered HBM) in its own namespace.
 
+`--device cuda` puts the model and the KV it computes with in real GPU memory; the registered
+region is then its page-locked host staging (dualpath/model/device.py).
+
 Its only interface is its CNIC, so every byte into or out of its HBM, H2D
 from its own node's DRAM included, crosses that shaped NIC. A prefill engine
 serves `prefill_batch`; a decode engine takes `decode` requests on its decode
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--hbm-bytes", type=positive_int, required=True)
     ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the model, its past KV and the decode "
+                    "batch in GPU memory, fed from page-locked host memory (dualpath/model/device.py)")
     ap.add_argument("--timing", default="", help="JSON {dilation, prefill, decode}: the emulated clock "
                     "and the target's cost models; empty: the CPU's own time")
     ap.add_argument("--collectives", default="", help="JSON {port, peers, dispatch_per_token, "
@@ -56,14 +61,19 @@ def main() -> None:
     from dualpath.engines.clock import DeviceClock
     from dualpath.kv.layouts import BlockGeometry
     from dualpath.model import DecodeCache, Transformer
+    from dualpath.model.device import DeviceError, host_buffer, resolve_device
     from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 
-    model = Transformer.from_pretrained(args.checkpoint)
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        sys.exit(f"{args.name}: --device: {e}")
+    model = Transformer.from_pretrained(args.checkpoint, device=device)
     # One throwaway pass and step before serving: the first call of each kernel shape allocates
     # and builds tables, and on an emulated clock that one-time cost would overrun a real pass.
     model.decode_step([0], [DecodeCache(model, model.prefill([0] * 64).new_kv)])
     geom = BlockGeometry.from_config(model.config, block_size=args.block_size)
-    agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm")
+    agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm", host_buffer(args.hbm_bytes, device))
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
     kv_per_token = geom.kv_bytes_per_token
     load = EngineLoad(args.hbm_bytes // kv_per_token)  # what this engine reports to its group leader

@@ -33,13 +33,13 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
 
     def connector(mode: str, plan: LoadPlan):
         if mode == "oracle":
-            return OracleConnector(agent, hbm, alloc, geom)
+            return OracleConnector(agent, hbm, alloc, geom, device=model.device)
         if plan.dst is None:
             raise ValueError(f"mode {mode!r} needs a destination span")
         if mode == "basic":
-            return BasicConnector(agent, hbm, alloc, geom)
+            return BasicConnector(agent, hbm, alloc, geom, device=model.device)
         if mode == "layerwise":
-            return LayerwiseConnector(agent, hbm, alloc, geom)
+            return LayerwiseConnector(agent, hbm, alloc, geom, device=model.device)
         raise ValueError(f"unknown prefill mode {mode!r}")
 
     def plan_of(r: dict) -> LoadPlan:
