@@ -188,6 +188,9 @@ class Fabric:
         mtu = self.topo.spec.mtu
         for ep in self.endpoints:
             lines = ["link set lo up"] + [f"link set dev {n.dev} mtu {mtu}" for n in ep.nics]
+            if self.topo.spec.gso_max_bytes:  # the senders' TCP builds no larger packet for HTB
+                lines += [f"link set dev {n.dev} gso_max_size {self.topo.spec.gso_max_bytes}"
+                          for n in ep.nics if n.kind in ("cnic", "host_port")]
             run(["ip", "-batch", "-"], ns=ep.name, stdin="\n".join(lines) + "\n")
         run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.nics))
         self.apply_shaping(self.topo.spec.qos)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_FILE_BYTES = 64 << 10  # the shipped topologies are about 1.2 KiB
 MAX_DEPTH = 16  # a topology nests 2 levels (storage:, target:)
@@ -86,6 +86,7 @@ _HINTS: dict[str, str] = {
     "target.gpu": "name a known GPU, e.g. h800 (see emulators/gpu/specs.py)",
     "target.model": "name a known target model, e.g. qwen2.5-32b (see emulators/gpu/models.py)",
     "mtu": "set mtu to an integer in [576, 9000]",
+    "gso_max_bytes": "set gso_max_bytes to an integer from the mtu to 65536, or leave it out (the kernel's 65536)",
     "description": f"keep description to at most {MAX_SCALAR_CHARS} characters",
 }
 
@@ -141,12 +142,26 @@ class TopologySpec(_Strict):
     # default: the shipped targets' Qwen2.5-32B is served data-parallel and has none.
     collectives: bool = False
     mtu: int = Field(default=1500, ge=576, le=9000)
+    # The largest packet a CNIC or host port sends into its HTB (the kernel's gso_max_size of the
+    # sending end; None keeps the kernel's 64 KiB). HTB cannot preempt a packet: a model-class
+    # packet that arrives just after a kv packet left waits that packet's time at the link rate
+    # (64 KiB is 0.5 ms at 1 Gbit/s). InfiniBand's virtual lanes interleave at packet granularity
+    # (an MTU of at most 4 KiB), so the isolation experiment caps it. Smaller costs CPU per byte.
+    gso_max_bytes: int | None = Field(default=None, ge=576, le=65536)
     # Time: "emulated" runs every pass and decode step for as long as the target takes
     # (times the dilation); "cpu" keeps the host's own time, for runs that time the CPU.
     compute: Literal["emulated", "cpu"] = "emulated"
     target: TargetSpec = TargetSpec()
     description: str = Field(default="", max_length=MAX_SCALAR_CHARS)
     # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb: hence <= 99 (le above).
+
+    @field_validator("gso_max_bytes")
+    @classmethod
+    def _gso_holds_a_packet(cls, v: int | None, info: ValidationInfo) -> int | None:
+        mtu = info.data.get("mtu")
+        if v is not None and mtu is not None and v < mtu:
+            raise ValueError(f"{v} is below the mtu {mtu}")
+        return v
 
 
 @dataclass(frozen=True)
@@ -264,7 +279,9 @@ class Topology:
             f"host port {_fmt(self.host_port_bps)} ({self.host_port_basis}), "
             f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}",
             f"P/D={self.pd_ratio:.3g} is {verdict} the paper's bottleneck-free range "
-            f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}; collectives {self._collectives_line()}",
+            f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}; collectives {self._collectives_line()}"
+            + (f"; CNICs and host ports send packets of at most {s.gso_max_bytes} B (gso_max_bytes)"
+               if s.gso_max_bytes else ""),
             *self._testbed_bound_lines(),
             time_line,
         ]

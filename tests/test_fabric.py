@@ -71,6 +71,23 @@ def test_bringup_builds_the_design(no_leftovers):
     assert find_leftovers().empty()
 
 
+def test_gso_cap_and_tcp_settings_reach_the_sending_ends(no_leftovers):
+    """gso_max_bytes caps what the CNICs and host ports send into HTB (the SNICs keep the
+    kernel's 64 KiB), and every namespace has TCP's tail loss probes off."""
+    import re
+    from dataclasses import replace
+
+    topo = load_topology(REPO / "topologies" / "1p1d-isolation.yaml")
+    topo = replace(topo, spec=topo.spec.model_copy(update={"gso_max_bytes": 12000}))
+    with Fabric(topo) as fab:
+        for nic in fab.nics:
+            out = run(["ip", "-d", "link", "show", "dev", nic.dev], ns=nic.ns)
+            gso = int(re.search(r"gso_max_size (\d+)", out).group(1))
+            assert gso == (12000 if nic.kind in ("cnic", "host_port") else 65536), (nic.dev, gso)
+        for ep in fab.endpoints:
+            assert run(["sysctl", "-n", "net.ipv4.tcp_early_retrans"], ns=ep.name).strip() == "0", ep.name
+
+
 def test_qos_off_collapses_cnics_to_one_class(no_leftovers):
     with Fabric(load_topology(TOPO)) as fab:
         fab.apply_shaping(False)
