@@ -29,6 +29,7 @@ from dualpath.transport import (
     rdma_devices,
 )
 from dualpath.transport.agent import Transfer
+from testbed.fabric import TCP_SYSCTLS
 from testbed.benches.transport_nixl import CONTROL_PORT
 from emulators import dscp_marking
 from emulators.nic import CLASS_IDS, NicShape, htb_batch, parse_class_stats
@@ -556,6 +557,8 @@ def class_run(netns_pair):
         for ns, dev in devs.items():
             _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                 f"net.ipv4.ip_local_reserved_ports={lo}-{hi}")
+            # as the fabric does: no spurious tail loss probes for HTB to count twice
+            _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *TCP_SYSCTLS)
             _nft(ns, dscp_marking.nft_script())
             _nft(ns, count)
             subprocess.run(["tc", "-n", ns, "-batch", "-"], input=htb_batch(NicShape(dev, SHAPE_BPS, True)),
