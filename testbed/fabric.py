@@ -40,10 +40,11 @@ COMPUTE_NET = ipaddress.ip_network("10.77.0.0/16")
 STORAGE_NET = ipaddress.ip_network("10.78.0.0/16")
 # Tail loss probes off in every namespace of the fabric. A TLP fires when an ACK is later than
 # twice the smoothed RTT, and an HTB queue of a shaped NIC delays ACKs by far more than the
-# RTT of an empty one: in one e2e run of tests/test_e2e.py the probes re-sent 132 + 116 segments
-# that had arrived (as many DSACKs came back) with no drop anywhere, and HTB counted each twice,
-# pushing a NIC past its path definition. RDMA, which TCP stands in for here, has no such
-# probes; a real loss is still recovered by fast retransmit or the RTO.
+# RTT of an empty one. scripts/tcp_counters.py (tests/test_e2e.py's workload, every mode): with
+# probes on, the PE and DE hosts re-sent 158 and 174 segments, every one a probe answered by a
+# DSACK (it had arrived), with no qdisc drop anywhere; off, 0 and 1. HTB counts a re-sent byte
+# twice, and under load that pushed NICs past their path definitions. RDMA, which TCP stands in
+# for here, has no such probes; a real loss is still recovered by fast retransmit or the RTO.
 TCP_SYSCTLS = ("net.ipv4.tcp_early_retrans=0",)
 CONDUCTOR_IP = str(COMPUTE_NET[-2])  # on the compute bridge, in the root namespace
 
