@@ -196,14 +196,15 @@ class Fabric:
         run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.nics))
         self.apply_shaping(self.topo.spec.qos)
         nft = dscp_marking.nft_script()
+        lo, hi = KV_PORT_RANGE
         for ep in self.endpoints:
-            run(["sysctl", "-q", "-w", *TCP_SYSCTLS], ns=ep.name)
+            sysctls = list(TCP_SYSCTLS)
             if ep.kind != "storage":
                 run(["nft", "-f", "-"], ns=ep.name, stdin=nft)
                 # Keep the kernel from handing out kv-range ports as ephemeral source ports:
                 # a model-class connection from such a port would be marked kv.
-                lo, hi = KV_PORT_RANGE
-                run(["sysctl", "-q", "-w", f"net.ipv4.ip_local_reserved_ports={lo}-{hi}"], ns=ep.name)
+                sysctls.append(f"net.ipv4.ip_local_reserved_ports={lo}-{hi}")
+            run(["sysctl", "-q", "-w", *sysctls], ns=ep.name)
         if self.transport == "rdma":
             self._add_rxe()
         return self
