@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 
 from testbed import cli
@@ -166,7 +167,7 @@ def test_the_cli_fails_in_one_line_before_bring_up(ckpt, args, words):
 @pytest.mark.parametrize("device, words", [
     ("tpu", ("--device", "'tpu' is not one of cpu, cuda")),
     pytest.param("cuda", ("--device", "sees no GPU here"), marks=pytest.mark.skipif(
-        __import__("torch").cuda.is_available(), reason="this machine has a GPU: cuda is a good device here")),
+        torch.cuda.is_available(), reason="this machine has a GPU: cuda is a good device here")),
 ])
 def test_a_device_the_engines_cannot_compute_on_is_refused_before_bring_up(capsys, ckpt, tmp_path, device, words):
     refused(capsys, TOPO, "basic", ckpt, tmp_path, None, None, device, words=words)
