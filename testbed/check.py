@@ -28,9 +28,6 @@ from testbed.shell import run
 RATE_OK = (0.93, 1.02)
 MODEL_KEEP_OK = 0.95  # QoS on: share of its rate the model flow must keep
 CLEAR_LOSS = 0.03  # QoS off must keep at least this much less of the model flow than QoS on
-# A priority measurement taken while the host's CPU was saturated measured the CPU (iperf3's
-# receiver drops datagrams it cannot read in time), not the link: it is taken again, this often.
-PRIORITY_TRIES = 3
 MODEL_SHARE = 0.20  # the model flow's rate, as a share of the CNIC
 FLOOD_SHARE = 1.2  # the kv flood's offered rate, as a share of the CNIC
 TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
@@ -64,7 +61,6 @@ class PriorityResult:
     kv_class_bytes: int
     cpu_busy: float
     kept_ratio: float = 0.0
-    attempts: int = 1  # measurements taken: more than one when the CPU was saturated
 
 
 @dataclass
@@ -222,14 +218,7 @@ def check(fab: Fabric, seconds: float = 3.0, progress: Any = print) -> CheckRepo
             report.problems.append("a flow to the kv port range was not classified as kv")
         for qos in (True, False):
             progress(f"  priority test, QoS {'on' if qos else 'off'} ...")
-            for attempt in range(1, PRIORITY_TRIES + 1):
-                r = _priority(fab, mon, qos, seconds + 1)
-                r.attempts = attempt
-                if r.cpu_busy < CPU_SATURATED:
-                    break
-                progress(f"    the host's CPU was {r.cpu_busy:.0%} busy (>= {CPU_SATURATED:.0%}): that measured the "
-                         f"CPU, not the link" + ("; again" if attempt < PRIORITY_TRIES else "; kept as measured"))
-            report.priority.append(r)
+            report.priority.append(_priority(fab, mon, qos, seconds + 1))
         fab.apply_shaping(fab.topo.spec.qos)
         on, off = report.priority
         if on.kept_ratio < MODEL_KEEP_OK:
