@@ -9,6 +9,9 @@ marking): `model_tx` counts EF (sockets that set IP_TOS to the model class thems
 collectives), `kv_tx` AF11. These counters see every packet whatever HTB does, so they name the
 class of every byte also when `qos: off` collapses HTB into one FIFO. Unmarked traffic (control)
 is in neither: HTB's default puts it in the model class, and HTB's class counters show that.
+`model_rx` and `kv_rx` count what arrives, at prerouting: after every qdisc on the way, before
+any socket. A flow's packets sent in one namespace against those received in its peer are then
+what the emulated NICs lost, without what a starved receiver's socket buffer dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from dualpath.naming import PREFIX
 from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
 
 TABLE = f"{PREFIX}_qos"
-COUNTERS = {MODEL.name: "model_tx", KV.name: "kv_tx"}  # traffic class -> named counter
+COUNTERS = {MODEL.name: "model_tx", KV.name: "kv_tx"}  # traffic class -> named counter, sent
+RX_COUNTERS = {MODEL.name: "model_rx", KV.name: "kv_rx"}  # the same, received
 
 
 def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE) -> str:
@@ -26,7 +30,7 @@ def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE) -> str:
     dscp = KV.dscp
     return (
         f"table ip {TABLE} {{\n"
-        + "".join(f"  counter {c} {{ }}\n" for c in COUNTERS.values())
+        + "".join(f"  counter {c} {{ }}\n" for c in (*COUNTERS.values(), *RX_COUNTERS.values()))
         + f"  chain mark_out {{\n"
         f"    type filter hook output priority mangle; policy accept;\n"
         f"    tcp dport {lo}-{hi} ip dscp set {dscp}\n"
@@ -37,14 +41,21 @@ def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE) -> str:
         f"    ip dscp {MODEL.dscp} counter name \"{COUNTERS[MODEL.name]}\"\n"
         f"    ip dscp {KV.dscp} counter name \"{COUNTERS[KV.name]}\"\n"
         f"  }}\n"
+        f"  chain count_in {{\n"
+        f"    type filter hook prerouting priority 0; policy accept;\n"
+        f"    ip dscp {MODEL.dscp} counter name \"{RX_COUNTERS[MODEL.name]}\"\n"
+        f"    ip dscp {KV.dscp} counter name \"{RX_COUNTERS[KV.name]}\"\n"
+        f"  }}\n"
         f"}}\n"
     )
 
 
-def parse_counters(text: str) -> dict[str, tuple[int, int]]:
-    """(bytes, packets) per traffic class from `nft -j list counters table ip <TABLE>`."""
-    names = {v: k for k, v in COUNTERS.items()}
-    out = {k: (0, 0) for k in COUNTERS}
+def parse_counters(text: str, received: bool = False) -> dict[str, tuple[int, int]]:
+    """(bytes, packets) per traffic class, sent (or `received`), from
+    `nft -j list counters table ip <TABLE>`."""
+    counters = RX_COUNTERS if received else COUNTERS
+    names = {v: k for k, v in counters.items()}
+    out = {k: (0, 0) for k in counters}
     for item in json.loads(text).get("nftables", []):
         c = item.get("counter")
         if c and c.get("table") == TABLE and c.get("name") in names:

@@ -129,12 +129,13 @@ def dscp_counters(fab: Fabric) -> dict[str, dict[str, tuple[int, int]]]:
     """Per namespace (every host and engine), (bytes, packets) it has sent in each traffic class,
     by the DS field on the wire (nftables, emulators/dscp_marking.py): true whether HTB has two
     classes or one FIFO. Storage namespaces have no marking table and are left out."""
-    out = {}
-    for ep in fab.endpoints:
-        if ep.kind != "storage":
-            out[ep.name] = dscp_marking.parse_counters(
-                run(["nft", "-j", "list", "counters", "table", "ip", dscp_marking.TABLE], ns=ep.name))
-    return out
+    return {ep.name: ns_dscp_counters(ep.name) for ep in fab.endpoints if ep.kind != "storage"}
+
+
+def ns_dscp_counters(ns: str, received: bool = False) -> dict[str, tuple[int, int]]:
+    """(bytes, packets) per traffic class that namespace `ns` has sent (or `received`)."""
+    return dscp_marking.parse_counters(
+        run(["nft", "-j", "list", "counters", "table", "ip", dscp_marking.TABLE], ns=ns), received)
 
 
 def dscp_delta(after: dict[str, dict[str, tuple[int, int]]], before: dict[str, dict[str, tuple[int, int]]]

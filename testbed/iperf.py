@@ -44,7 +44,8 @@ class IperfServer:
 
 
 def client_argv(ip: str, port: int, seconds: float, tos: int | None = None,
-                udp_bps: int | None = None, parallel: int = 1, udp_len: int = 1400) -> list[str]:
+                udp_bps: int | None = None, parallel: int = 1, udp_len: int = 1400,
+                pacing_us: int | None = None) -> list[str]:
     argv = ["iperf3", "-c", ip, "-p", str(port), "-t", f"{seconds:g}", "-J", "-P", str(parallel)]
     if tos is not None:
         argv += ["--tos", str(tos)]
@@ -52,6 +53,8 @@ def client_argv(ip: str, port: int, seconds: float, tos: int | None = None,
         # A 4 MiB socket buffer keeps the receiving socket from dropping
         # datagrams when the CPU is busy: loss must come from the link.
         argv += ["-u", "-b", str(udp_bps), "-l", str(udp_len), "-w", "4M"]
+    if pacing_us is not None:  # iperf3 sends what the rate allows once per tick (default 1 ms)
+        argv += ["--pacing-timer", str(pacing_us)]
     return argv
 
 

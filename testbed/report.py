@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed.check import RATE_OK, MODEL_KEEP_OK, CheckReport
+from testbed.check import CLEAR_LOSS, MODEL_KEEP_OK, RATE_OK, CheckReport
 from testbed.fidelity import CPU_BUSY_MAX, OVERRUN_SHARE, SATURATION_MIN
 
 
@@ -27,11 +27,15 @@ def check_lines(r: CheckReport) -> list[str]:
                      f"{m['kv_range_port']['kv_class_share']:.1%} in the kv class; flow to port "
                      f"{m['other_port']['port']} -> {m['other_port']['model_class_share']:.1%} in the model class")
     for p in r.priority:
-        lines.append(f"priority, QoS {'on ' if p.qos else 'off'}: model flow kept {p.kept_ratio:.3f} of "
-                     f"{p.model_offered_bps / 1e6:.0f} Mbit/s (loss {p.model_lost_percent:.1f} %) beside a UDP kv "
-                     f"flood that got {p.kv_goodput_bps / 1e6:.0f} Mbit/s; cpu {p.cpu_busy:.0%}")
+        lines.append(f"priority, QoS {'on ' if p.qos else 'off'}: model flow at "
+                     f"{p.model_offered_bps / 1e6:.0f} Mbit/s kept {p.kept_ratio:.3f} of its packets "
+                     f"({p.model_arrived_pkts} of {p.model_sent_pkts} arrived; iperf3 received "
+                     f"{p.iperf_kept_ratio:.3f} of its rate) beside a UDP kv flood sent at "
+                     f"{p.kv_sent_bps / 1e6:.0f} Mbit/s that got {p.kv_goodput_bps / 1e6:.0f} Mbit/s; "
+                     f"cpu {p.cpu_busy:.0%}")
     if len(r.priority) == 2:
-        lines.append(f"  (QoS on must keep >= {MODEL_KEEP_OK}; QoS off must lose more than QoS on)")
+        lines.append(f"  (QoS on must keep >= {MODEL_KEEP_OK} of the model packets; QoS off must keep "
+                     f"at least {CLEAR_LOSS} less)")
     if r.cpu_saturated:
         lines.append("FIDELITY: the CPU was saturated during the check; rates may reflect the CPU, "
                      "not the emulated NICs")

@@ -274,3 +274,9 @@ def test_nft_counts_each_class_by_its_dscp():
             '"packets": 3, "bytes": 900}}, {"counter": {"family": "ip", "name": "kv_tx", "table": "dpt_qos", '
             '"packets": 1, "bytes": 10}}]}')
     assert dscp_marking.parse_counters(text) == {"model": (900, 3), "kv": (10, 1)}
+    assert dscp_marking.parse_counters(text, received=True) == {"model": (0, 0), "kv": (0, 0)}
+    # what arrives is counted at prerouting, apart from what is sent
+    assert "hook prerouting" in script and "ip dscp 46 counter name \"model_rx\"" in script
+    rx = text.replace('"model_tx"', '"model_rx"')
+    assert dscp_marking.parse_counters(rx, received=True) == {"model": (900, 3), "kv": (0, 0)}
+    assert dscp_marking.parse_counters(rx)["model"] == (0, 0)

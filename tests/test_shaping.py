@@ -50,6 +50,9 @@ def test_dscp_marks_select_htb_classes(report):
 def test_priority_isolation(report):
     on = next(p for p in report.priority if p.qos)
     off = next(p for p in report.priority if not p.qos)
+    # packets counted by nftables on each side, so a CPU-starved iperf3 does not decide it
+    assert on.model_sent_pkts > 1000, on
     assert on.kept_ratio >= 0.95, on
-    assert off.kept_ratio < on.kept_ratio - 0.03, (on, off)
-    assert on.kv_goodput_bps > 0.5 * 1e9 * 0.8  # kv still borrows the idle bandwidth
+    assert off.kept_ratio < on.kept_ratio - 0.2, (on, off)  # measured: 0.3-0.5 kept with QoS off
+    assert on.kv_sent_bps > 1e9, on  # the flood did exceed the 1 Gbit/s CNIC
+    assert on.kv_class_bps > 0.5 * 1e9 * 0.8, on  # kv still borrows the idle bandwidth
