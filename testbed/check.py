@@ -1,9 +1,9 @@
 """`dualpath check`: calibrate every emulated NIC kind against iperf3.
 
 For each NIC kind and direction an iperf3 flow crosses it while every other
-link on the path is at least as fast, so that NIC is the bottleneck. The
-fidelity monitor reads the wire bytes of that NIC from kernel counters. The
-configured HTB rate is a layer-2 rate, so the ratio reported is wire rate over
+link on the path is at least as fast, so that NIC is the bottleneck. Its HTB
+counter, read every 50 ms, gives the wire rate over the flow's steady part
+(without set-up, slow start and teardown). The configured HTB rate is a layer-2 rate, so the ratio reported is wire rate over
 configured rate; iperf3's goodput (TCP payload only, about 95.6 % of the wire
 at MTU 1500) is reported beside it.
 
@@ -35,6 +35,7 @@ CLEAR_LOSS = 0.2  # QoS off must keep at least this much less of the model flow 
 MODEL_SHARE = 0.20  # the model flow's rate, as a share of the CNIC
 FLOOD_SHARE = 1.2  # the kv flood's offered rate, as a share of the CNIC
 TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
+SAMPLE_S = 0.05  # how often a link measurement reads its HTB counter
 BASE_PORT = 5201
 FLOOD_PACING_US = 100
 UDP_HEADERS = 20 + 8  # IPv4 and UDP: the priority test's datagrams fill one frame each
@@ -106,11 +107,23 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
     # The shaped egress of this direction: HTB counts every segment's headers
     # (interface counters see a GSO bundle's headers once), so it gives the wire rate.
     dev, ns = (nic.dev, nic.ns) if direction == "tx" else (nic.bridge_dev, None)
-    b0 = _class_bytes(dev, ROOT_CLASS, ns)
+    samples: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(SAMPLE_S):
+            samples.append((time.monotonic(), _class_bytes(dev, ROOT_CLASS, ns)))
+
+    sampler = threading.Thread(target=sample, daemon=True)
     t0 = time.monotonic()
-    res = flow(src, dst, dst_ip, port, seconds, tos=tos_class.tos_byte)
+    sampler.start()
+    try:
+        res = flow(src, dst, dst_ip, port, seconds, tos=tos_class.tos_byte)
+    finally:
+        done.set()
+        sampler.join()
     t1 = time.monotonic()
-    wire = (_class_bytes(dev, ROOT_CLASS, ns) - b0) * 8 / res.seconds
+    wire = _steady_rate_bps(samples)
     w0, w1 = _steady_window(mon, t0, t1, seconds)
     cpu = mon.cpu_busy(w0, w1)
     r = LinkResult(nic.kind, nic.dev, direction, tos_class.name, nic.rate_bps, wire,
@@ -121,6 +134,20 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
         r.note = ("below rate while the CPU was saturated: the CPU, not the NIC, was the bottleneck"
                   if cpu >= CPU_SATURATED else "outside the accepted band with CPU to spare")
     return r
+
+
+def _steady_rate_bps(samples: list[tuple[float, int]]) -> float:
+    """The rate between the first and the last sample that saw bytes move, less TRIM_S at each
+    end: a flow's wire rate without its connection set-up, slow start and teardown."""
+    moving = [i for i in range(1, len(samples)) if samples[i][1] > samples[i - 1][1]]
+    if not moving:
+        return 0.0
+    start, end = samples[moving[0] - 1][0] + TRIM_S, samples[moving[-1]][0] - TRIM_S
+    inside = [(t, b) for t, b in samples if start <= t <= end]
+    if len(inside) < 2:  # too short to trim: the whole span that moved
+        inside = [samples[moving[0] - 1], samples[moving[-1]]]
+    (ta, ba), (tb, bb) = inside[0], inside[-1]
+    return (bb - ba) * 8 / (tb - ta)
 
 
 def _steady_window(mon: Monitor, t0: float, t1: float, seconds: float) -> tuple[float, float]:

@@ -1,0 +1,29 @@
+"""The link calibration's rate from sampled HTB counters (pure; the live check is test_shaping)."""
+import pytest
+
+from testbed.check import SAMPLE_S, TRIM_S, _steady_rate_bps
+
+
+def _samples(rates_bps: list[float]) -> list[tuple[float, int]]:
+    out, b = [(0.0, 0)], 0.0
+    for i, r in enumerate(rates_bps, 1):
+        b += r * SAMPLE_S / 8
+        out.append((i * SAMPLE_S, int(b)))
+    return out
+
+
+def test_the_rate_leaves_out_set_up_slow_start_and_teardown():
+    idle, ramp, steady = [0.0] * 6, [1e8, 3e8, 6e8], [1e9] * 40
+    tail = [2e8, 1e3] + [0.0] * 6  # the flow winds down, then iperf3's results exchange
+    samples = _samples(idle + ramp + steady + tail)
+    assert _steady_rate_bps(samples) == pytest.approx(1e9, rel=0.01)
+    # what the old whole-flow average gave: well below the link's rate
+    moved = samples[-1][1] * 8 / ((len(ramp) + len(steady) + 2) * SAMPLE_S)
+    assert moved < 0.95e9
+
+
+def test_a_flow_too_short_to_trim_is_measured_whole_and_no_flow_is_zero():
+    assert TRIM_S > 2 * SAMPLE_S
+    assert _steady_rate_bps(_samples([0.0, 5e8, 5e8, 0.0])) == pytest.approx(5e8, rel=0.01)
+    assert _steady_rate_bps(_samples([0.0] * 5)) == 0.0
+    assert _steady_rate_bps([]) == 0.0
