@@ -74,6 +74,9 @@ class Scheduler:
         self._pending: dict[str, _PendingPE] = {}  # request id -> its PE, waiting for a DE
         self._outbox: dict[str, list[Assignment]] = {}  # PE group -> assignments to deliver
         self._ids: set[str] = set()  # request ids not yet delivered to their PE leader
+        # groups whose own queue (PE: outbox, DE: private queue) may have changed since the
+        # doorbell last looked (take_work_changes): it then reads those groups alone
+        self._touched: set[str] = set()
         self._next_index = 0  # registration order: the deterministic tie-breaker
 
     # ----------------------------------------------------------------- configuration
@@ -118,6 +121,7 @@ class Scheduler:
                 raise ValueError(f"group {r.group_id} is {g.role.value}, engine {r.engine_id} reports {r.role.value}")
             if g is None:
                 g = self.groups[r.group_id] = GroupState(r.group_id, r.role)
+                self._touched.add(r.group_id)
                 if r.role is Role.DECODE:
                     self._de_private[r.group_id] = deque()
                     self._de_queued_tok[r.group_id] = 0
@@ -186,6 +190,8 @@ class Scheduler:
                 self._pending[req.request_id] = _PendingPE(req, e, now)
                 self._de_global.append(req)
         out = self._outbox.pop(g.group_id, [])
+        if out:
+            self._touched.add(g.group_id)
         for a in out:  # delivered: the PE's next report includes these
             pe = self.engines[a.pe_engine]
             pe.inflight_tok -= a.request.total_len
@@ -203,6 +209,7 @@ class Scheduler:
                 self._balancer.remove(gid)
                 back.extend(q)
                 q.clear()
+                self._touched.add(gid)
                 self._de_queued_tok[gid] = 0
         self._de_global.extendleft(reversed(back))
 
@@ -212,12 +219,14 @@ class Scheduler:
         if self._de_global:
             for req, gid in distribute_to_groups(self._de_global, self._balancer, self._de_private):
                 self._de_queued_tok[gid] += req.total_len
+                self._touched.add(gid)
         queue = self._de_private[g.group_id]
         if not queue:
             return []
         pairs, _z = assign_de_in_group(queue, self._live(g))
         if not pairs:
             return []
+        self._touched.add(g.group_id)
         now = self.clock()
         policy = self.path_policy
         block_bytes = self.block_bytes
@@ -246,6 +255,7 @@ class Scheduler:
                 d.path, d.pe_blocks, d.de_blocks, p.at, now, avoided,
             )
             self._outbox.setdefault(pe.group_id, []).append(a)
+            self._touched.add(pe.group_id)
             out.append(a)
         return out
 
@@ -265,7 +275,9 @@ class Scheduler:
         self._pending.clear()
         self._de_global.clear()
         for gid, q in self._de_private.items():
-            q.clear()
+            if q:
+                q.clear()
+                self._touched.add(gid)
             if self._de_queued_tok[gid]:
                 self._de_queued_tok[gid] = 0
                 if gid in self._balancer.totals:
@@ -286,14 +298,26 @@ class Scheduler:
 
     def work_for_groups(self) -> dict[str, tuple[int, int]]:
         """Per group, what is waiting for its pull: a PE group (requests waiting for a PE,
-        assignments to deliver to it); a DE group (requests waiting for any DE, its own queue)."""
+        assignments to deliver to it); a DE group (requests waiting for any DE, its own queue).
+        The first is shared by every group of a role, the second is the group's own
+        (own_work); the doorbell reads them apart (take_work_changes)."""
         out = {}
+        pe_n, de_n = len(self._pe_queue), len(self._de_global)
         for gid, g in self.groups.items():
-            if g.role is Role.PREFILL:
-                out[gid] = (len(self._pe_queue), len(self._outbox.get(gid, ())))
-            else:
-                out[gid] = (len(self._de_global), len(self._de_private.get(gid, ())))
+            out[gid] = (pe_n if g.role is Role.PREFILL else de_n, self.own_work(gid))
         return out
+
+    def own_work(self, group_id: str) -> int:
+        """A group's own waiting work: a PE group's undelivered assignments, a DE group's queue."""
+        if self.groups[group_id].role is Role.PREFILL:
+            return len(self._outbox.get(group_id, ()))
+        return len(self._de_private.get(group_id, ()))
+
+    def take_work_changes(self) -> tuple[int, int, set[str]]:
+        """For the doorbell, its one reader: the shared queues' lengths (waiting for a PE,
+        waiting for any DE) and the groups whose own work may have changed since the last call."""
+        touched, self._touched = self._touched, set()
+        return len(self._pe_queue), len(self._de_global), touched
 
     def queue_lengths(self) -> dict[str, int]:
         return {

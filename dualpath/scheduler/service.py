@@ -24,7 +24,7 @@ import zmq
 from dualpath.control import Auth
 
 from .core import Scheduler
-from .records import Assignment
+from .records import Assignment, Role
 from .messages import (
     AssignmentMsg, BadMessage, EngineReportMsg, PingMsg, PullMsg, RequestMsg, StatsMsg, SubmitMsg,
     assignment_to_dict, error_reply, pack, parse, unpack_map,
@@ -37,8 +37,8 @@ MAX_MSG_BYTES = 8 << 20  # zmq drops bigger messages before they reach Python
 
 def groups_to_ring(scheduler: Scheduler, seen: dict[str, tuple]) -> list[str]:
     """The doorbell's rule, after every message the service handled: the groups whose waiting
-    work changed (`seen` keeps what each was last rung or passed over for) to something they
-    should pull. The live service rings them on its PUB socket; the simulator wakes its leaders."""
+    work (Scheduler.work_for_groups) changed since the last call (`seen` keeps it) to something
+    they should pull, in the order the groups registered. Doorbell computes the same, faster."""
     out = []
     for group, work in scheduler.work_for_groups().items():
         if work != seen.get(group):
@@ -46,6 +46,49 @@ def groups_to_ring(scheduler: Scheduler, seen: dict[str, tuple]) -> list[str]:
             if any(work):
                 out.append(group)
     return out
+
+
+class Doorbell:
+    """groups_to_ring's rule without reading every group on every message.
+
+    A group's waiting work is a length shared by its role (requests waiting for a PE, or for
+    any DE) and its own queue's length. The shared lengths are read on every call; when one
+    changed, every group of its role is read. Otherwise only the groups whose own queue the
+    scheduler touched since the last call are: 48P96D's 144 groups made the full scan two
+    thirds of the scheduler's time, though almost no message changes the shared lengths."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._shared: tuple[int | None, int | None] = (None, None)  # (PE, DE) at the last call
+        self._own: dict[str, int] = {}  # each group's own work at the last call
+        self._index: dict[str, int] = {}  # registration order, the order rings go out in
+
+    def groups_to_ring(self) -> list[str]:
+        s = self.scheduler
+        pe_n, de_n, touched = s.take_work_changes()
+        pe_all, de_all = pe_n != self._shared[0], de_n != self._shared[1]
+        self._shared = (pe_n, de_n)
+        changed = set()
+        for gid in touched:
+            n = s.own_work(gid)
+            if n != self._own.get(gid):
+                self._own[gid] = n
+                changed.add(gid)
+        if pe_all or de_all:
+            out = []
+            for gid, g in s.groups.items():
+                pe = g.role is Role.PREFILL
+                if (pe_all if pe else de_all) or gid in changed:
+                    if (pe_n if pe else de_n) or self._own.get(gid, 0):
+                        out.append(gid)
+            return out
+        if len(self._index) != len(s.groups):
+            self._index = {gid: i for i, gid in enumerate(s.groups)}
+        groups = s.groups
+        out = [gid for gid in changed if
+               (pe_n if groups[gid].role is Role.PREFILL else de_n) or self._own[gid]]
+        out.sort(key=self._index.__getitem__)
+        return out
 
 
 def bell_topic(group: str) -> bytes:
@@ -77,7 +120,7 @@ class SchedulerService:
         self._bell.setsockopt(zmq.LINGER, 0)
         self._bell.bind(endpoint.rsplit(":", 1)[0] + ":*")
         self.bell_endpoint: str = self._bell.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._work_seen: dict[str, tuple] = {}
+        self._doorbell = Doorbell(scheduler)
         self.handled = 0
         self.errors = 0
 
@@ -165,7 +208,7 @@ class SchedulerService:
 
     def _ring(self) -> None:
         """Ring every group whose waiting work changed to something it should pull."""
-        for group in groups_to_ring(self.scheduler, self._work_seen):
+        for group in self._doorbell.groups_to_ring():
             try:
                 self._bell.send(bell_topic(group), zmq.NOBLOCK)
             except zmq.Again:

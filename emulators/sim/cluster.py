@@ -4,7 +4,7 @@ What runs is the testbed's own code where the testbed has it:
   * `dualpath.scheduler.core.Scheduler` decides (on_request, on_report, pull), driven by the
     group leaders' loop of dualpath/nodes/leader.py (report every member, pull, hand the
     assignments on, wait for the doorbell or the heartbeat) and the service's doorbell rule
-    (dualpath.scheduler.service.groups_to_ring); engines keep `dualpath.nodes.leader.EngineLoad`;
+    (dualpath.scheduler.service.Doorbell); engines keep `dualpath.nodes.leader.EngineLoad`;
   * the conductor's request sequence (testbed/conductor.py): route, buffer areas, loads, prefill,
     the layers' notifications, decode, write-back; the plan is `dualpath.kv.plan.plan_request`;
   * the PEs' passes are packed by `dualpath.scheduler.batching.PrefillQueue` under the compute
@@ -44,7 +44,7 @@ from dualpath.scheduler.batching import PrefillQueue
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 from dualpath.scheduler.records import EngineReport, Request, Role
-from dualpath.scheduler.service import groups_to_ring
+from dualpath.scheduler.service import Doorbell
 from dualpath.scheduler.thresholds import Profile
 
 from .calibration import Calibration
@@ -417,7 +417,7 @@ class ClusterSim:
         self._storage_nic_binds = cfg.storage_nic_bps * cfg.storage_servers < n_nodes * cfg.snic_bps
         self._disk_binds = cfg.disk_bps * cfg.storage_servers < 2 * n_nodes * cfg.snic_bps
         self.bells = {g: _Bell() for g in self.groups}
-        self._seen: dict[str, tuple] = {}
+        self._doorbell = Doorbell(self.sched)
         self._decided: dict[str, simpy.Event] = {}
         self._delivered: dict[str, simpy.Event] = {}
         self._queues: dict[str, PrefillQueue] = {}
@@ -439,7 +439,7 @@ class ClusterSim:
 
     def _ring(self) -> None:
         t = time.perf_counter()
-        groups = groups_to_ring(self.sched, self._seen)
+        groups = self._doorbell.groups_to_ring()
         self.sched_s += time.perf_counter() - t
         for g in groups:
             b = self.bells[g]
