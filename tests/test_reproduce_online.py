@@ -107,6 +107,34 @@ def test_fig10_capacities_from_the_runs(tmp_path):
     assert basic[1.0]["ttft"]["mean"] == pytest.approx(0.5) and basic[1.0]["tpot"]["mean"] == pytest.approx(0.04)
 
 
+def test_bracketed_needs_a_fail_above_the_capacity():
+    assert online.bracketed([(1, True), (2, True), (3, False)])
+    assert not online.bracketed([(1, True), (2, True)])
+    assert online.bracketed([(1, False)])  # capacity None: the first probe already failed
+
+
+@pytest.mark.parametrize("basic_fails_above", [None, 2.0])
+def test_fig10_says_when_a_capacity_is_only_a_lower_bound(tmp_path, basic_fails_above):
+    for aps in (1.0, 2.0, 3.0):  # dualpath meets the SLO at every probe
+        f = online_run(tmp_path / "runs" / f"aps{aps:g}", aps,
+                       {"basic": basic_fails_above is not None and aps > basic_fails_above, "dualpath": False},
+                       dilation=K)
+        f.write(aps=aps)
+    out, _ = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    h = {x["name"]: x["testbed"] for x in s["headline"]}
+    ratio_name = next(k for k in h if k.startswith("DualPath / Basic"))
+    assert any(k.startswith("DualPath: highest APS") and "a lower bound" in k for k in h)
+    report = (out / "report.md").read_text()
+    assert "dualpath: every probed APS met the SLO, up to 3" in report
+    if basic_fails_above is None:  # neither is bracketed: no ratio to give
+        assert s["capacity_is_lower_bound"] == ["basic", "dualpath"] and h[ratio_name] is None
+        assert "the ratio is not measured" in report
+    else:  # basic's is found: dualpath's lower bound gives a lower bound of the ratio
+        assert s["capacity_is_lower_bound"] == ["dualpath"]
+        assert h[ratio_name] == pytest.approx(1.5) and "a lower bound" in ratio_name
+
+
 def test_fig10_unfaithful_when_one_run_is(tmp_path):
     write_online_runs(tmp_path / "runs", unfaithful_at=3.0)
     out, _ = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)

@@ -60,15 +60,31 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     caps = online.capacities(cur)
     ons = online.online_runs(runs)
     bound = next((pd_bound(r) for r in ons if pd_bound(r)), 2.0)
-    heads = [Headline("Basic: highest APS under the SLO (agents per emulated s)", caps.get("basic"), None, None),
-             Headline("DualPath: highest APS under the SLO (agents per emulated s)", caps.get("dualpath"), None, None),
-             Headline("DualPath / Basic highest APS under the SLO (x; paper DS 660B: 2.25)",
-                      ratio(caps.get("dualpath"), caps.get("basic")), paper.FIG10_CAPACITY_RATIO["DS 27B"], bound)]
+    open_ended = online.unbracketed(cur)
+
+    def cap_name(m: str, label: str) -> str:
+        return f"{label}: highest APS under the SLO (agents per emulated s{'; a lower bound' if m in open_ended else ''})"
+
+    # the ratio of two capacities is a measurement only when basic's is bracketed (dualpath's
+    # lower bound over basic's true capacity is still a lower bound of the ratio)
+    cap_ratio = ratio(caps.get("dualpath"), caps.get("basic")) if "basic" not in open_ended else None
+    heads = [Headline(cap_name("basic", "Basic"), caps.get("basic"), None, None),
+             Headline(cap_name("dualpath", "DualPath"), caps.get("dualpath"), None, None),
+             Headline("DualPath / Basic highest APS under the SLO (x; paper DS 660B: 2.25"
+                      f"{'; a lower bound' if cap_ratio is not None and 'dualpath' in open_ended else ''})",
+                      cap_ratio, paper.FIG10_CAPACITY_RATIO["DS 27B"], bound)]
     notes = ["Paper: the highest APS under the SLO, Basic vs DualPath: DS 27B 0.3 vs 0.5 (1.67x, 1P1D), DS 660B 0.2 "
              "vs 0.45 (2.25x, 2P4D); the issue asks for >= 1.6x on 1p1d-io, whose bound is 2x.",
              "The absolute APS is not comparable to the paper's: the cluster and the workload are scaled down.",
              "The SLO verdict uses the steady-state rule of testbed.reproduce.online (the paper's, scaled)."]
+    for m in open_ended:
+        top = max(cur[m], key=lambda p: p["aps"])
+        notes.insert(0, f"{m}: every probed APS met the SLO, up to {top['aps']:g}, so its highest APS under the "
+                        f"SLO is not found{'' if m != 'basic' else ' and the ratio is not measured'}: more "
+                        f"probes are needed above it (mean TTFT there {top['ttft']['mean']:.3g} s, mean "
+                        f"JCT {top['jct_mean']:.3g} s).")
     if not ons:
         notes.insert(0, "No online run: " + online.NO_RUNNER)
     return Result(ID, TITLE, heads, render(cur, caps, out), used_of(runs),
-                  data={"curves": cur, "capacity_aps": caps}, notes=notes, scale_down=plan(quick).scale_down)
+                  data={"curves": cur, "capacity_aps": caps, "capacity_is_lower_bound": open_ended},
+                  notes=notes, scale_down=plan(quick).scale_down)

@@ -204,6 +204,14 @@ def capacity(points: Iterable[tuple[float, bool]]) -> float | None:
     return best
 
 
+def bracketed(points: Iterable[tuple[float, bool]]) -> bool:
+    """Whether a probed APS above the capacity failed the SLO: without one the capacity is only
+    a lower bound (every probe passed)."""
+    pts = sorted(points)
+    best = capacity(pts)
+    return any(not ok and (best is None or a > best) for a, ok in pts)
+
+
 def bisect_next(points: Iterable[tuple[float, bool]], rel_tol: float = 0.1) -> float | None:
     """The next APS to probe: the middle between the best pass and the first fail above it, or
     None when they are within rel_tol of each other (or there is no bracket to halve; with only
@@ -256,3 +264,8 @@ def curves(runs: dict[str, Run], modes: Sequence[str] = MODES) -> dict[str, list
 
 def capacities(cur: dict[str, list[dict]]) -> dict[str, float | None]:
     return {m: capacity((p["aps"], p["meets_slo"]) for p in pts) for m, pts in cur.items()}
+
+
+def unbracketed(cur: dict[str, list[dict]]) -> list[str]:
+    """The modes whose every probed APS met the SLO: their capacity is a lower bound."""
+    return [m for m, pts in cur.items() if pts and not bracketed((p["aps"], p["meets_slo"]) for p in pts)]
