@@ -25,8 +25,8 @@ concurrent call never leaves a half-written checkpoint under `dest`.
 
 `bfloat16=True` writes the same model with bfloat16 weights and `"dtype": "bfloat16"` (engines
 run a checkpoint in its declared dtype), cast from the float32 directory in a few seconds: half
-the KV bytes per token. On this testbed's CPUs (AVX2, no native bf16) it computes about 5x more
-slowly than float32, though tiled prefill and decode stay bit-exact in it as in float32
+the KV bytes per token. On CPU it computes more slowly than float32 (oneDNN is off for it, see
+dualpath.model.transformer), though tiled prefill and decode stay bit-exact in it as in float32
 (tests/test_smollm2.py). float32 is the default.
 """
 from __future__ import annotations

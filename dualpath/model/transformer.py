@@ -37,7 +37,9 @@ on other rows' contents (masked keys get weight exactly 0). The result: a prefil
 KV yields bit-identical logits and KV to a full recomputation, and so does decode, on the same
 device, dtype, tile size and torch thread count (larger GEMMs in MKL split work by thread count,
 so engines that must agree bit for bit should run with the same `torch.get_num_threads()`; the
-tiny checkpoint was bit-identical at 1 and 2 threads). On a shared 2-core machine run CPU engines
+tiny checkpoint was bit-identical at 1 and 2 threads). In bfloat16 or float16 on CPU the
+methods turn oneDNN off while they run (`_exact`): its GEMMs on CPUs with native bfloat16 are not
+row-independent. On a shared 2-core machine run CPU engines
 with `torch.set_num_threads(1)`: with 2 OpenMP threads and a busy CPU a 2k-token prefill of the
 tiny model took 5.2 s instead of 0.33 s (spin-waiting).
 The cost is padding: a decode step computes a `tile`-row tile for one token. For the tiny model
@@ -51,6 +53,7 @@ B: with SmolLM2 a step of 6 sequences at ~600 tokens took 0.32 s instead of abou
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +114,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _exact(method):
+    """torch.no_grad, and oneDNN off for a reduced-precision model on CPU. oneDNN's bfloat16
+    GEMMs (CPUs with AVX512-BF16 or AMX) pick their blocking by the row count, so a row's result
+    depends on how many rows were stacked with it: on such a CPU a cached-prefix prefill gave
+    other logits than a full one. Without oneDNN, torch's own kernels are row-independent, as
+    on CPUs without native bfloat16, and about 5x slower than oneDNN there."""
+    @functools.wraps(method)
+    def run(self: "Transformer", *args, **kwargs):
+        with torch.no_grad():
+            if not self._onednn_off:
+                return method(self, *args, **kwargs)
+            was = torch.backends.mkldnn.enabled  # (its `flags()` also resets the TF32 settings)
+            torch.backends.mkldnn.enabled = False
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                torch.backends.mkldnn.enabled = was
+    return run
+
+
 class Transformer:
     """Weights plus the per-layer forward. No nn.Module: nothing here trains."""
 
@@ -119,6 +142,7 @@ class Transformer:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.config, self.dtype, self.device, self.tile = config, dtype, torch.device(device), tile
+        self._onednn_off = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         c = config
         self.embed_w = weights["model.embed_tokens.weight"]
         self.norm_w = weights["model.norm.weight"]
@@ -163,12 +187,12 @@ class Transformer:
 
     # -- the per-layer API -----------------------------------------------------------------------
 
-    @torch.no_grad()
+    @_exact
     def embed(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Token ids [n] -> hidden states [n, hidden_size]."""
         return F.embedding(self._tokens(tokens), self.embed_w)
 
-    @torch.no_grad()
+    @_exact
     def layer_forward(self, l: int, hidden: torch.Tensor, positions: int | Sequence[int] | torch.Tensor | None,
                       past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,7 +262,7 @@ class Transformer:
         out = x + F.linear(g, w["wd"], w["bd"])
         return out[off:off + n], k_new, v_new
 
-    @torch.no_grad()
+    @_exact
     def logits(self, hidden: torch.Tensor, positions: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Final RMSNorm + lm_head: [n, hidden_size] at the given positions -> [n, vocab] logits."""
         T, n = self.tile, hidden.shape[0]
@@ -251,7 +275,7 @@ class Transformer:
                          for i in range(0, x.shape[0], T)]) if n else x.new_empty((0, self.config.vocab_size))
         return out[off:off + n]
 
-    @torch.no_grad()
+    @_exact
     def decode_step(self, tokens: Sequence[int], caches: Sequence["DecodeCache"]) -> list[int]:
         """One decode step of a batch: sequence i feeds tokens[i] after the KV in caches[i].
 
@@ -322,7 +346,7 @@ class Transformer:
 
     # -- conveniences built on the per-layer API -----------------------------------------------
 
-    @torch.no_grad()
+    @_exact
     def prefill(self, tokens: Sequence[int] | torch.Tensor, past_kv: Sequence[KV] | None = None,
                 last_only: bool = False) -> PrefillResult:
         """Run the new `tokens` after `past_kv` (per layer (K, V) of the prefix, or None).
@@ -344,7 +368,7 @@ class Transformer:
             return PrefillResult(self.logits(x[-1:], P + n - 1), new_kv, P)
         return PrefillResult(self.logits(x, P), new_kv, P)
 
-    @torch.no_grad()
+    @_exact
     def generate(self, tokens: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  past_kv: Sequence[KV] | None = None, eos_token_id: int | Sequence[int] | None = None
                  ) -> GenerateResult:
