@@ -21,6 +21,7 @@ fi
 declare -A NEED=(
     [mnexec]=mininet [brctl]=bridge-utils [iperf3]=iperf3 [fio]=fio
     [nft]=nftables [tcpdump]=tcpdump [tc]=iproute2 [ip]=iproute2
+    [ruby]=ruby  # `ruby -c Vagrantfile` in the suite: Vagrant itself cannot run here
 )
 missing=()
 for cmd in "${!NEED[@]}"; do
