@@ -141,3 +141,20 @@ def test_with_a_doorbell_idle_leaders_hardly_pull_and_work_is_still_picked_up_at
         assert idle == 0
     else:
         assert idle >= 2 * 0.5 / 0.05  # polling every 5 ms (slowed by the machine, still many)
+
+
+def test_an_engines_reported_tokens_are_the_sum_of_its_unfinished_requests():
+    import random
+
+    rnd, load, pending = random.Random(1), EngineLoad(hbm_tokens=10 ** 6), {}
+    for i in range(2000):
+        r = f"r{rnd.randrange(60)}"
+        if rnd.random() < 0.5:
+            load.assigned(r, n := rnd.randrange(1, 500))  # a re-sent hand-over replaces its count
+            pending[r] = n
+        else:
+            load.finished(r)
+            if pending.pop(r, None) is None:
+                load.assigned(r, 7)  # ... and the hand-over that raced behind it is not counted
+        rep = load.report()
+        assert (rep["seq_e"], rep["tok_e"]) == (len(pending), sum(pending.values())), i
