@@ -74,21 +74,16 @@ class Doorbell:
             if n != self._own.get(gid):
                 self._own[gid] = n
                 changed.add(gid)
-        if pe_all or de_all:
-            out = []
-            for gid, g in s.groups.items():
-                pe = g.role is Role.PREFILL
-                if (pe_all if pe else de_all) or gid in changed:
-                    if (pe_n if pe else de_n) or self._own.get(gid, 0):
-                        out.append(gid)
-            return out
-        if len(self._index) != len(s.groups):
-            self._index = {gid: i for i, gid in enumerate(s.groups)}
         groups = s.groups
-        out = [gid for gid in changed if
-               (pe_n if groups[gid].role is Role.PREFILL else de_n) or self._own[gid]]
-        out.sort(key=self._index.__getitem__)
-        return out
+        if pe_all or de_all:  # in registration order already
+            candidates = [gid for gid, g in groups.items()
+                          if gid in changed or (pe_all if g.role is Role.PREFILL else de_all)]
+        else:
+            if len(self._index) != len(groups):
+                self._index = {gid: i for i, gid in enumerate(groups)}
+            candidates = sorted(changed, key=self._index.__getitem__)
+        return [gid for gid in candidates
+                if (pe_n if groups[gid].role is Role.PREFILL else de_n) or self._own.get(gid, 0)]
 
 
 def bell_topic(group: str) -> bytes:
