@@ -204,12 +204,16 @@ def capacity(points: Iterable[tuple[float, bool]]) -> float | None:
     return best
 
 
+def _fails_above_capacity(pts: Sequence[tuple[float, bool]]) -> tuple[float | None, list[float]]:
+    """The capacity of sorted probes and the failed probes above it."""
+    best = capacity(pts)
+    return best, [a for a, ok in pts if not ok and (best is None or a > best)]
+
+
 def bracketed(points: Iterable[tuple[float, bool]]) -> bool:
     """Whether a probed APS above the capacity failed the SLO: without one the capacity is only
     a lower bound (every probe passed)."""
-    pts = sorted(points)
-    best = capacity(pts)
-    return any(not ok and (best is None or a > best) for a, ok in pts)
+    return bool(_fails_above_capacity(sorted(points))[1])
 
 
 def bisect_next(points: Iterable[tuple[float, bool]], rel_tol: float = 0.1) -> float | None:
@@ -219,8 +223,7 @@ def bisect_next(points: Iterable[tuple[float, bool]], rel_tol: float = 0.1) -> f
     pts = sorted(points)
     if not pts:
         return None
-    best = capacity(pts)
-    fails = [a for a, ok in pts if not ok and (best is None or a > best)]
+    best, fails = _fails_above_capacity(pts)
     if best is None:
         return pts[0][0] / 2 if pts[0][0] > 1e-3 else None
     if not fails:
