@@ -171,8 +171,8 @@ def test_chunked_and_split_prefill_match_recomputation(scheduled):
 def test_chunked_and_split_prefill_nic_bytes_match_the_path_definitions(scheduled):
     # Known to miss now and then, cause open: with tail loss probes off, one of four fresh-clone
     # suites (stop 23) had the DE CNICs at 1.079-1.089 of their path definitions (tolerance 2 %)
-    # with only 8 retransmitted segments and no retried request, and one of one (stop 24) missed
-    # too (its numbers were not printed); four runs of this module alone passed, one beside a
+    # with only 8 retransmitted segments and no retried request, and one of three (stop 24) missed
+    # too (its numbers were not printed); five runs of this test alone passed, one beside a
     # CPU hog. That miss, DE CNICs up to 15 % over, is reported as an xfail carrying what was
     # measured, so the next suite log that shows one also shows where the bytes went; any other
     # miss fails.

@@ -53,6 +53,6 @@ def test_priority_isolation(report):
     # packets counted by nftables on each side, so a CPU-starved iperf3 does not decide it
     assert on.model_sent_pkts > 1000, on
     assert on.kept_ratio >= 0.95, on
-    assert off.kept_ratio < on.kept_ratio - 0.2, (on, off)  # measured: 0.3-0.5 kept with QoS off
+    assert off.kept_ratio < on.kept_ratio - 0.2, (on, off)  # QoS off kept 0.31-0.49 by hand, 0.385 in results/check
     assert on.kv_sent_bps > 1e9, on  # the flood did exceed the 1 Gbit/s CNIC
     assert on.kv_class_bps > 0.5 * 1e9 * 0.8, on  # kv still borrows the idle bandwidth
