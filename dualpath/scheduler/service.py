@@ -54,8 +54,9 @@ class Doorbell:
     A group's waiting work is a length shared by its role (requests waiting for a PE, or for
     any DE) and its own queue's length. The shared lengths are read on every call; when one
     changed, every group of its role is read. Otherwise only the groups whose own queue the
-    scheduler touched since the last call are: 48P96D's 144 groups made the full scan two
-    thirds of the scheduler's time, though almost no message changes the shared lengths."""
+    scheduler touched since the last call are. In a hand-run cProfile of quick 48P96D the full
+    scan of its 144 groups was two thirds of the scheduler's time, though 123,738 of 128,528
+    messages changed neither shared length."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
