@@ -11,6 +11,12 @@ also drops pure ACKs, which carry no payload. What remains beyond the KV itself
 is the transport's own messages (UCX request headers, store frame headers),
 reported as protocol overhead.
 
+HTB also counts every segment TCP sends again, and the path definitions count each KV byte
+once. So each socket's own count of re-sent payload (tcpi_bytes_retrans, read with `ss -ti`
+in every namespace) is charged to the NIC that sent it (tx) and the NIC it went to (rx), and
+taken off the measured payload before it is compared. Only sockets open at the end of a mode
+are seen; the connections that carry KV (UCX's and the store clients') stay open for the run.
+
 With transport rdma the kv class of a CNIC or host port carries RoCEv2 packets
 (58 bytes of headers each: Ethernet, IPv4, UDP, BTH, ICRC), counted exactly by
 the NIC's rxe device (hw_counters sent_pkts on transmit, rcvd_pkts on receive),
@@ -20,17 +26,19 @@ READ requests: protocol overhead again.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.accounting import STORAGE_OWNER
-from dualpath.traffic_classes import KV, MODEL
+from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
 from emulators import dscp_marking
 from emulators.nic import ROOT_CLASS, class_for, parse_class_drops, parse_class_packets, parse_class_stats
 from testbed.shell import run
 from testbed.fabric import Fabric
 
 Key = tuple[str, str, str]  # (owner, kind, direction)
+Socket = tuple[str, str, int, str, int]  # (namespace, local ip, port, peer ip, port)
 FRAME_HEADER_BYTES = 14 + 20 + 32
 ROCE_FRAME_HEADER_BYTES = 14 + 20 + 8 + 12 + 4  # = dualpath.transport.rdma.ROCE_HEADER_BYTES
 
@@ -50,6 +58,9 @@ class Snapshot:
     rxe: dict[str, dict[str, int]] = field(default_factory=dict)  # every rxe device's hw_counters
     # TCP segments each namespace sent again: HTB counts a retransmitted segment's bytes once more
     retransmitted: dict[str, int] = field(default_factory=dict)
+    # per socket with re-sent payload: its cumulative bytes and the NIC keys they cross
+    resent_sockets: dict[Socket, tuple[int, tuple[Key, ...]]] = field(default_factory=dict)
+    kv_resent: dict[Key, int] = field(default_factory=dict)  # of kv_payload, re-sent (in a delta)
 
 
 def snapshot(fab: Fabric) -> Snapshot:
@@ -81,7 +92,39 @@ def snapshot(fab: Fabric) -> Snapshot:
     if getattr(fab, "net", None) is not None:  # a live Mininet (a stand-in fabric has none)
         for ep in fab.endpoints:
             snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
+        by_ip = {nic.ip: nic for nic in fab.nics}
+        for ep in fab.endpoints:
+            for (lip, lport, rip, rport), n in parse_ss_resent(run(["ss", "-tinHO"], ns=ep.name, check=False)).items():
+                keys = tuple((_owner(fab, nic), nic.kind, direction)
+                             for nic, direction in ((by_ip.get(lip), "tx"), (by_ip.get(rip), "rx"))
+                             if nic is not None and _in_measured_class(fab, nic, lport, rport))
+                snap.resent_sockets[(ep.name, lip, lport, rip, rport)] = (n, keys)
     return snap
+
+
+def _in_measured_class(fab: Fabric, nic, lport: int, rport: int) -> bool:
+    """Whether a connection's bytes are in the NIC's counted payload: its kv class (the KV
+    port range) on a CNIC or host port with QoS, everything on the other NICs."""
+    if not (fab.qos and nic.kind in ("cnic", "host_port")):
+        return True
+    lo, hi = KV_PORT_RANGE
+    return lo <= lport <= hi or lo <= rport <= hi
+
+
+_SS_ADDR = re.compile(r"(\d+\.\d+\.\d+\.\d+):(\d+)")
+_SS_RESENT = re.compile(r"\bbytes_retrans:(\d+)")
+
+
+def parse_ss_resent(text: str) -> dict[tuple[str, int, str, int], int]:
+    """Payload bytes each IPv4 TCP socket has sent again, from `ss -tinHO` (one line per
+    socket; ss leaves bytes_retrans out while it is 0, so those sockets are left out too)."""
+    out = {}
+    for line in text.splitlines():
+        addrs, resent = _SS_ADDR.findall(line)[:2], _SS_RESENT.search(line)
+        if len(addrs) == 2 and resent and int(resent.group(1)):
+            (lip, lport), (rip, rport) = addrs
+            out[(lip, int(lport), rip, int(rport))] = int(resent.group(1))
+    return out
 
 
 def tcp_retransmitted_segments(snmp: Path) -> int:
@@ -104,10 +147,19 @@ def delta(after: Snapshot, before: Snapshot) -> Snapshot:
         return {k: v - b.get(k, 0) for k, v in a.items()}
 
     rxe = {dev: {k: v - before.rxe.get(dev, {}).get(k, 0) for k, v in c.items()} for dev, c in after.rxe.items()}
+    resent: dict[Key, int] = {}
+    for sock, (n, keys) in after.resent_sockets.items():  # a socket absent before was opened since
+        for key in keys:
+            _add(resent, key, n - before.resent_sockets.get(sock, (0, ()))[0])
     return Snapshot(d(after.kv_payload, before.kv_payload), d(after.kv_wire, before.kv_wire),
                     d(after.model_wire, before.model_wire), d(after.drops, before.drops),
                     d(after.kv_pkts, before.kv_pkts), d(after.roce_pkts, before.roce_pkts), rxe,
-                    d(after.retransmitted, before.retransmitted))
+                    d(after.retransmitted, before.retransmitted), kv_resent=resent)
+
+
+def first_sent(snap: Snapshot) -> dict[Key, int]:
+    """A delta's kv payload without what TCP sent again: each KV byte once, as the paths count it."""
+    return {k: v - snap.kv_resent.get(k, 0) for k, v in snap.kv_payload.items()}
 
 
 def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:

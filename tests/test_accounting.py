@@ -207,3 +207,31 @@ def test_retransmitted_segments_are_read_from_a_namespaces_snmp_table(tmp_path):
     snmp.write_text("Ip: Forwarding\nIp: 1\n")  # no Tcp table: nothing to count, no crash
     assert tcp_retransmitted_segments(snmp) == 0
     assert tcp_retransmitted_segments(tmp_path / "gone") == 0  # the namespace's process has exited
+
+
+SS_LINES = (  # `ss -tinHO` in an engine namespace (one socket per line; the second never re-sent)
+    "ESTAB 0 0 10.77.0.3:42001 10.77.0.1:51234 bbr wscale:9,9 rto:204 mss:1448 bytes_sent:900000 "
+    "bytes_retrans:2896 bytes_acked:890000 segs_out:700 retrans:0/2\n"
+    "ESTAB 0 0 10.77.0.3:46000 10.77.0.254:40000 bbr rto:201 bytes_sent:500 bytes_acked:500\n"
+    "ESTAB 0 0 [::1]:5000 [::1]:6000 bytes_retrans:10\n")
+
+
+def test_resent_bytes_are_read_per_ipv4_socket_from_ss():
+    from testbed.counters import parse_ss_resent
+
+    assert parse_ss_resent(SS_LINES) == {("10.77.0.3", 42001, "10.77.0.1", 51234): 2896}
+    assert parse_ss_resent("") == {}
+
+
+def test_a_delta_charges_resent_bytes_to_both_nics_and_first_sent_takes_them_off():
+    from testbed.counters import Snapshot, delta, first_sent
+
+    tx, rx = ("dpt-p0e0", "cnic", "tx"), ("dpt-d0", "host_port", "rx")
+    old = ("dpt-p0e0", "10.77.0.3", 42001, "10.77.0.1", 51234)
+    new = ("dpt-p0e0", "10.77.0.3", 42002, "10.77.0.1", 51240)
+    before = Snapshot(kv_payload={tx: 1000, rx: 1000}, resent_sockets={old: (300, (tx, rx))})
+    after = Snapshot(kv_payload={tx: 11_500, rx: 11_400},
+                     resent_sockets={old: (500, (tx, rx)), new: (100, (tx,))})  # new: opened since
+    d = delta(after, before)
+    assert d.kv_resent == {tx: 200 + 100, rx: 200}
+    assert first_sent(d) == {tx: 10_500 - 300, rx: 10_400 - 200}
