@@ -404,6 +404,9 @@ def demo(out: Path = typer.Option(Path("results/e2e"), help="where the run's fol
               f"`dualpath run --model ...` for any other model")
     _need_root()
     on = f" --device {device}" if device != "cpu" else ""
+    # 24 agents, though 20 would keep 3 minutes (172 and 178 s by hand): the fidelity rule allows
+    # 1 % of passes late, and one of those two 20-agent runs had 2 of 197 late (UNFAITHFUL) under
+    # other load, which 24 agents' 235 passes would have tolerated
     if model == "tiny":
         _run_e2e(DEMO_TOPOLOGY, LADDER, 24, 0, None, out, "make demo  (dualpath demo)" if not on else f"dualpath demo{on}",
                  device=device)
