@@ -73,7 +73,7 @@ def snapshot(fab: Fabric) -> Snapshot:
         rxe = read_counters()
         snap.rxe = {d: c for d, c in rxe.items() if d in fab.rxe.values()}
     for nic in fab.nics:
-        classes = fab.qos and nic.kind in ("cnic", "host_port")
+        classes = _has_classes(fab, nic)
         dev_counters = rxe.get(fab.rxe_of(nic) or "", {}) if rxe else {}
         for direction, dev, ns in (("tx", nic.dev, nic.ns), ("rx", nic.bridge_dev, None)):
             stats = class_counters(dev, ns)
@@ -90,10 +90,9 @@ def snapshot(fab: Fabric) -> Snapshot:
                 _add(snap.model_wire, key, stats.get(class_for(True, MODEL), (0, 0, 0))[0])
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
     if getattr(fab, "net", None) is not None:  # a live Mininet (a stand-in fabric has none)
-        for ep in fab.endpoints:
-            snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
         by_ip = {nic.ip: nic for nic in fab.nics}
         for ep in fab.endpoints:
+            snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
             for (lip, lport, rip, rport), n in parse_ss_resent(run(["ss", "-tinHO"], ns=ep.name, check=False)).items():
                 keys = tuple((_owner(fab, nic), nic.kind, direction)
                              for nic, direction in ((by_ip.get(lip), "tx"), (by_ip.get(rip), "rx"))
@@ -102,10 +101,15 @@ def snapshot(fab: Fabric) -> Snapshot:
     return snap
 
 
+def _has_classes(fab: Fabric, nic) -> bool:
+    """Whether the NIC's HTB has a class per traffic class (else one FIFO counts everything)."""
+    return bool(fab.qos) and nic.kind in ("cnic", "host_port")
+
+
 def _in_measured_class(fab: Fabric, nic, lport: int, rport: int) -> bool:
     """Whether a connection's bytes are in the NIC's counted payload: its kv class (the KV
-    port range) on a CNIC or host port with QoS, everything on the other NICs."""
-    if not (fab.qos and nic.kind in ("cnic", "host_port")):
+    port range) where the NIC has classes, everything on the others."""
+    if not _has_classes(fab, nic):
         return True
     lo, hi = KV_PORT_RANGE
     return lo <= lport <= hi or lo <= rport <= hi
