@@ -3,9 +3,11 @@
 For each NIC kind and direction an iperf3 flow crosses it while every other
 link on the path is at least as fast, so that NIC is the bottleneck. Its HTB
 counter, read every 50 ms, gives the wire rate over the flow's steady part
-(without set-up, slow start and teardown). The configured HTB rate is a layer-2
-rate, so the ratio reported is wire rate over configured rate; iperf3's goodput (TCP payload only, about 95.6 % of the wire
-at MTU 1500) is reported beside it.
+(without set-up, slow start and teardown): the median of its 100 ms windows, so
+a TCP stall (a retransmission timeout idles the link for 200 ms or more) does
+not read as a slow shaper. The plain mean over the same span is kept beside it. The configured HTB rate is a layer-2
+rate, so the ratio reported is wire rate over configured rate; iperf3's goodput (its
+receiver's bytes over its own interval, not a wire rate) is reported beside it.
 
 Then the priority test: a model-class UDP flow at 20 % of a CNIC beside a
 kv-class UDP flood into the same CNIC, once with QoS on and once with QoS off.
@@ -16,6 +18,7 @@ loss. iperf3's own view is reported beside it.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,6 +39,8 @@ MODEL_SHARE = 0.20  # the model flow's rate, as a share of the CNIC
 FLOOD_SHARE = 1.2  # the kv flood's offered rate, as a share of the CNIC
 TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
 SAMPLE_S = 0.05  # how often a link measurement reads its HTB counter
+WINDOW_SAMPLES = 2  # the backlogged rate's windows: 2 samples, 100 ms
+STALLED = 0.9  # a steady-span mean below this share of the backlogged rate: the flow stalled
 BASE_PORT = 5201
 FLOOD_PACING_US = 100
 UDP_HEADERS = 20 + 8  # IPv4 and UDP: the priority test's datagrams fill one frame each
@@ -48,12 +53,13 @@ class LinkResult:
     direction: str  # in the node's view
     traffic_class: str
     configured_bps: int
-    wire_bps: float
+    wire_bps: float  # while the flow kept the shaper backlogged: what the shaper passes
     goodput_bps: float
     cpu_busy: float
     ratio: float = 0.0
     ok: bool = False
     note: str = ""
+    mean_bps: float = 0.0  # over the whole steady span, TCP's stalls included
 
 
 @dataclass
@@ -112,7 +118,10 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
 
     def sample() -> None:
         while not done.wait(SAMPLE_S):
-            samples.append((time.monotonic(), _class_bytes(dev, ROOT_CLASS, ns)))
+            # a read forks tc in a namespace (tens of ms on a busy machine): stamp its midpoint
+            before = time.monotonic()
+            b = _class_bytes(dev, ROOT_CLASS, ns)
+            samples.append(((before + time.monotonic()) / 2, b))
 
     sampler = threading.Thread(target=sample, daemon=True)
     t0 = time.monotonic()
@@ -123,31 +132,54 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
         done.set()
         sampler.join()
     t1 = time.monotonic()
-    wire = _steady_rate_bps(samples)
+    wire, mean = _backlogged_rate_bps(samples), _steady_rate_bps(samples)
     w0, w1 = _steady_window(mon, t0, t1, seconds)
     cpu = mon.cpu_busy(w0, w1)
     r = LinkResult(nic.kind, nic.dev, direction, tos_class.name, nic.rate_bps, wire,
-                   res.goodput_bps, cpu)
+                   res.goodput_bps, cpu, mean_bps=mean)
     r.ratio = wire / nic.rate_bps
     r.ok = RATE_OK[0] <= r.ratio <= RATE_OK[1]
     if not r.ok:
         r.note = ("below rate while the CPU was saturated: the CPU, not the NIC, was the bottleneck"
                   if cpu >= CPU_SATURATED else "outside the accepted band with CPU to spare")
+    if wire and mean < STALLED * wire:
+        r.note = "; ".join(filter(None, [r.note, f"the flow stalled: its mean was {mean / wire:.2f} "
+                                         "of the backlogged rate (TCP, not the shaper)"]))
     return r
 
 
-def _steady_rate_bps(samples: list[tuple[float, int]]) -> float:
-    """The rate between the first and the last sample that saw bytes move, less TRIM_S at each
-    end: a flow's wire rate without its connection set-up, slow start and teardown."""
+def _steady_span(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The samples between the first and the last that saw bytes move, less TRIM_S at each
+    end: a flow without its connection set-up, slow start and teardown."""
     moving = [i for i in range(1, len(samples)) if samples[i][1] > samples[i - 1][1]]
     if not moving:
-        return 0.0
+        return []
     start, end = samples[moving[0] - 1][0] + TRIM_S, samples[moving[-1]][0] - TRIM_S
     inside = [(t, b) for t, b in samples if start <= t <= end]
     if len(inside) < 2:  # too short to trim: the whole span that moved
         inside = [samples[moving[0] - 1], samples[moving[-1]]]
-    (ta, ba), (tb, bb) = inside[0], inside[-1]
-    return (bb - ba) * 8 / (tb - ta)
+    return inside
+
+
+def _rate_bps(a: tuple[float, int], b: tuple[float, int]) -> float:
+    return (b[1] - a[1]) * 8 / (b[0] - a[0])
+
+
+def _steady_rate_bps(samples: list[tuple[float, int]]) -> float:
+    """The mean wire rate over the flow's steady span."""
+    span = _steady_span(samples)
+    return _rate_bps(span[0], span[-1]) if span else 0.0
+
+
+def _backlogged_rate_bps(samples: list[tuple[float, int]]) -> float:
+    """The median rate of the steady span's windows of WINDOW_SAMPLES: what the shaper passes
+    while the flow keeps it backlogged. Up to half the span may stall without moving it; a
+    shaper at the wrong rate moves every window."""
+    span = _steady_span(samples)
+    if len(span) <= WINDOW_SAMPLES:
+        return _rate_bps(span[0], span[-1]) if span else 0.0
+    return statistics.median(_rate_bps(span[i], span[i + WINDOW_SAMPLES])
+                             for i in range(len(span) - WINDOW_SAMPLES))
 
 
 def _steady_window(mon: Monitor, t0: float, t1: float, seconds: float) -> tuple[float, float]:

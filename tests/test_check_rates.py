@@ -1,7 +1,7 @@
 """The link calibration's rate from sampled HTB counters (pure; the live check is test_shaping)."""
 import pytest
 
-from testbed.check import SAMPLE_S, TRIM_S, _steady_rate_bps
+from testbed.check import SAMPLE_S, TRIM_S, _backlogged_rate_bps, _steady_rate_bps
 
 
 def _samples(rates_bps: list[float]) -> list[tuple[float, int]]:
@@ -27,3 +27,15 @@ def test_a_flow_too_short_to_trim_is_measured_whole_and_no_flow_is_zero():
     assert _steady_rate_bps(_samples([0.0, 5e8, 5e8, 0.0])) == pytest.approx(5e8, rel=0.01)
     assert _steady_rate_bps(_samples([0.0] * 5)) == 0.0
     assert _steady_rate_bps([]) == 0.0
+
+
+def test_a_tcp_stall_does_not_read_as_a_slow_shaper_but_a_slow_shaper_does():
+    # A 2 s flow as the check runs it; a retransmission timeout idles the link 300 ms mid-flow.
+    stalled = _samples([0.0] * 2 + [1e9] * 17 + [0.0] * 6 + [1e9] * 17 + [0.0] * 2)
+    assert _backlogged_rate_bps(stalled) == pytest.approx(1e9, rel=0.01)
+    assert _steady_rate_bps(stalled) < 0.85e9  # the mean the old check used failed here
+    # a shaper at 0.7 of its rate reads as 0.7, stall or none
+    slow = _samples([0.0] * 2 + [7e8] * 17 + [0.0] * 6 + [7e8] * 17 + [0.0] * 2)
+    assert _backlogged_rate_bps(slow) == pytest.approx(7e8, rel=0.01)
+    assert _backlogged_rate_bps(_samples([0.0, 5e8, 5e8, 0.0])) == pytest.approx(5e8, rel=0.01)
+    assert _backlogged_rate_bps([]) == 0.0
