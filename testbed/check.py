@@ -6,8 +6,8 @@ counter, read every 50 ms, gives the wire rate over the flow's steady part
 (without set-up, slow start and teardown): the median of its 100 ms windows, so
 a TCP stall (a retransmission timeout idles the link for 200 ms or more) does
 not read as a slow shaper. The plain mean over the same span is kept beside it. The configured HTB rate is a layer-2
-rate, so the ratio reported is wire rate over configured rate; iperf3's goodput (its
-receiver's bytes over its own interval, not a wire rate) is reported beside it.
+rate, so the ratio reported is wire rate over configured rate; iperf3's goodput (TCP
+payload only: about 99.3 % of the wire at the shipped MTU 9000, 95.6 % at 1500) is reported beside it.
 
 Then the priority test: a model-class UDP flow at 20 % of a CNIC beside a
 kv-class UDP flood into the same CNIC, once with QoS on and once with QoS off.
