@@ -29,7 +29,7 @@ from emulators.nic import ROOT_CLASS, class_for
 from testbed.counters import class_bytes, ns_dscp_counters
 from testbed.fabric import Fabric, Nic
 from testbed.iperf import FlowResult, client_argv, flow, IperfServer, parse_client
-from testbed.monitor import CPU_SATURATED, Monitor
+from testbed.monitor import CPU_SATURATED, Monitor, read_steal, steal_share
 from testbed.shell import run
 
 RATE_OK = (0.93, 1.02)
@@ -40,6 +40,7 @@ FLOOD_SHARE = 1.2  # the kv flood's offered rate, as a share of the CNIC
 TRIM_S = 0.4  # ignore this much at each end of a flow (start-up, teardown)
 SAMPLE_S = 0.05  # how often a link measurement reads its HTB counter
 WINDOW_SAMPLES = 2  # the backlogged rate's windows: 2 samples, 100 ms
+STEAL_NOTED = 0.03  # a hypervisor's steal worth naming beside a rate outside the band
 STALLED = 0.9  # a steady-span mean below this share of the backlogged rate: the flow stalled
 BASE_PORT = 5201
 FLOOD_PACING_US = 100
@@ -60,6 +61,7 @@ class LinkResult:
     ok: bool = False
     note: str = ""
     mean_bps: float = 0.0  # over the whole steady span, TCP's stalls included
+    steal: float = 0.0  # share of the CPU the hypervisor took during the flow (in cpu_busy too)
 
 
 @dataclass
@@ -124,7 +126,7 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
             samples.append(((before + time.monotonic()) / 2, b))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    t0 = time.monotonic()
+    t0, steal0 = time.monotonic(), read_steal()
     sampler.start()
     try:
         res = flow(src, dst, dst_ip, port, seconds, tos=tos_class.tos_byte)
@@ -136,12 +138,14 @@ def _measure_link(mon: Monitor, nic: Nic, direction: str, peer_ns: str, peer_ip:
     w0, w1 = _steady_window(mon, t0, t1, seconds)
     cpu = mon.cpu_busy(w0, w1)
     r = LinkResult(nic.kind, nic.dev, direction, tos_class.name, nic.rate_bps, wire,
-                   res.goodput_bps, cpu, mean_bps=mean)
+                   res.goodput_bps, cpu, mean_bps=mean, steal=steal_share(steal0, read_steal()))
     r.ratio = wire / nic.rate_bps
     r.ok = RATE_OK[0] <= r.ratio <= RATE_OK[1]
     if not r.ok:
         r.note = ("below rate while the CPU was saturated: the CPU, not the NIC, was the bottleneck"
-                  if cpu >= CPU_SATURATED else "outside the accepted band with CPU to spare")
+                  if cpu >= CPU_SATURATED else "outside the accepted band with CPU to spare"
+                  + (f" (but the hypervisor stole {r.steal:.0%} of it: a likely cause: a descheduled vCPU "
+                     f"fires HTB's timers late)" if r.steal >= STEAL_NOTED else ""))
     if wire and mean < STALLED * wire:
         r.note = "; ".join(filter(None, [r.note, f"the flow stalled: its mean was {mean / wire:.2f} "
                                          "of the backlogged rate (TCP, not the shaper)"]))

@@ -24,11 +24,27 @@ class Sample:
     own: int = 0  # jiffies of the watched processes (the testbed's own), user + system
 
 
+def _cpu_fields() -> list[int]:
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
 def _read_cpu() -> tuple[int, int]:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    fields = _cpu_fields()
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
+
+
+def read_steal() -> tuple[int, int]:
+    """(steal, total) jiffies, all cores: the time a hypervisor ran something else while this
+    machine's CPUs wanted to run (counted as busy by cpu_busy)."""
+    fields = _cpu_fields()
+    return fields[7], sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    dt = after[1] - before[1]
+    return (after[0] - before[0]) / dt if dt > 0 else 0.0
 
 
 def _read_proc_jiffies(pid: int) -> int:

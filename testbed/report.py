@@ -17,11 +17,11 @@ def check_lines(r: CheckReport) -> list[str]:
              f"the shaper backlogged, vs configured, accepted {RATE_OK[0]}-{RATE_OK[1]}; mean: the "
              f"same span with TCP's stalls",
              f"  {'nic':<10} {'dir':<3} {'class':<6} {'config':>7} {'wire':>7} {'ratio':>6} "
-             f"{'mean':>7} {'goodput':>7} {'cpu':>4}  Mbit/s"]
+             f"{'mean':>7} {'goodput':>7} {'cpu':>4} {'steal':>5}  Mbit/s"]
     for l in r.links:
         lines.append(f"  {l.nic_kind:<10} {l.direction:<3} {l.traffic_class:<6} {_mbit(l.configured_bps)} "
                      f"{_mbit(l.wire_bps)} {l.ratio:6.3f} {_mbit(l.mean_bps)} {_mbit(l.goodput_bps)} "
-                     f"{l.cpu_busy:4.0%}  {'ok' if l.ok else 'FAIL'}{': ' + l.note if l.note else ''}")
+                     f"{l.cpu_busy:4.0%} {l.steal:5.0%}  {'ok' if l.ok else 'FAIL'}{': ' + l.note if l.note else ''}")
     m = r.marking
     if m:
         lines.append(f"dscp by port: flow to kv port {m['kv_range_port']['port']} -> "

@@ -39,3 +39,12 @@ def test_a_tcp_stall_does_not_read_as_a_slow_shaper_but_a_slow_shaper_does():
     assert _backlogged_rate_bps(slow) == pytest.approx(7e8, rel=0.01)
     assert _backlogged_rate_bps(_samples([0.0, 5e8, 5e8, 0.0])) == pytest.approx(5e8, rel=0.01)
     assert _backlogged_rate_bps([]) == 0.0
+
+
+def test_steal_share_is_the_hypervisors_jiffies_over_all():
+    from testbed.monitor import read_steal, steal_share
+
+    assert steal_share((100, 1000), (150, 2000)) == pytest.approx(0.05)
+    assert steal_share((5, 10), (5, 10)) == 0.0  # no time passed: no share, no division by zero
+    steal, total = read_steal()
+    assert 0 <= steal <= total
