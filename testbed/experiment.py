@@ -70,6 +70,7 @@ class ModeResult:
     links: list = field(default_factory=list)  # fidelity.LinkUse of every storage NIC
     agent_jct_s: list = field(default_factory=list)  # per agent: its last turn's end - its arrival (testbed s)
     cpu_own: float = 0.0  # of cpu_busy, the testbed's own processes
+    cpu_steal: float = 0.0  # of cpu_busy, what the hypervisor took (a contended host)
     cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
@@ -167,6 +168,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.dscp = counters.dscp_delta(counters.dscp_counters(fab), dscp0)
     res.counters_s = time.monotonic() - tc0
     res.cpu_own = mon.cpu_own()
+    res.cpu_steal = mon.cpu_steal()
     res.cpu_threads = mon.cpu_by_thread(pids)
     res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
@@ -178,7 +180,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
                           fab.topo.spec.mtu) for node, node_loads in sorted(loads.items())]
     timings = [b["timing"] for b in co.batches]
     res.faithful, res.unfaithful_reasons = fidelity_verdict(timings, steps, res.cpu_busy, res.links, res.cpu_own,
-                                                            jct_s=jct)
+                                                            jct_s=jct, cpu_steal=res.cpu_steal)
     res.fidelity_notes = tolerated_overruns(timings, steps) if res.faithful else []
     expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
     res.accounting = compare(expected, counters.first_sent(snap), tolerance=TOLERANCE)
@@ -433,6 +435,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             # the testbed's processes; the rest of cpu_busy is the kernel's NIC emulation (softirq)
             # and whatever else ran on the machine
             "cpu_testbed_processes": round(res.cpu_own, 3),
+            "cpu_steal": round(res.cpu_steal, 3),
             "fidelity": {"prefill_passes": len(res.batches),
                          "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
                          "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),

@@ -91,10 +91,11 @@ def _overruns(kind: str, recs: list[dict]) -> tuple[str, bool] | None:
 
 def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
             links: Iterable[LinkUse], cpu_own: float | None = None,
-            jct_s: float | None = None) -> tuple[bool, list[str]]:
+            jct_s: float | None = None, cpu_steal: float = 0.0) -> tuple[bool, list[str]]:
     """(faithful, reasons). `passes` and `steps` are PassTiming dicts with "overran";
     `cpu_own`, if known, is the testbed's own processes' share of the CPU (said in the reason);
-    `jct_s` (testbed s), if known, bounds the lateness of all passes and steps together."""
+    `jct_s` (testbed s), if known, bounds the lateness of all passes and steps together;
+    `cpu_steal`, the hypervisor's share of the CPU, is named where it is part of a reason."""
     reasons = []
     passes, steps = list(passes), list(steps)
     for kind, recs in (("prefill passes", passes), ("decode steps", steps)):
@@ -107,6 +108,7 @@ def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
                        f"of the run's JCT (limit {LATENESS_MAX:.0%})")
     if cpu_busy > CPU_BUSY_MAX:
         own = f"; the testbed's processes {cpu_own:.0%}, the rest softirq and other work" if cpu_own is not None else ""
+        own += f"; the hypervisor's steal {cpu_steal:.0%}" if cpu_steal >= 0.01 else ""
         reasons.append(f"CPU busy {cpu_busy:.0%} of both cores over the run (limit {CPU_BUSY_MAX:.0%}{own}): "
                        f"the host, not the emulated cluster, set the pace")
     for u in links:

@@ -22,6 +22,7 @@ class Sample:
     cpu_total: int
     bytes: dict[str, tuple[int, int]]  # bridge dev -> (rx, tx)
     own: int = 0  # jiffies of the watched processes (the testbed's own), user + system
+    steal: int = 0  # jiffies the hypervisor ran something else (in cpu_busy too)
 
 
 def _cpu_fields() -> list[int]:
@@ -95,7 +96,7 @@ class Monitor:
     def sample(self) -> Sample:
         busy, total = _read_cpu()
         s = Sample(time.monotonic(), busy, total, {d: _read_bytes(d) for d in self.devs},
-                   sum(_read_proc_jiffies(p) for p in self.pids))
+                   sum(_read_proc_jiffies(p) for p in self.pids), read_steal()[0])
         if len(self.samples) < self.max_samples:
             self.samples.append(s)
         return s
@@ -143,6 +144,12 @@ class Monitor:
         work done on their behalf in softirq (the emulated NICs' TCP) is not in it."""
         a, b = self.samples[0], self.samples[-1]
         return (b.own - a.own) / max(b.cpu_total - a.cpu_total, 1)
+
+    def cpu_steal(self) -> float:
+        """Share of all cores the hypervisor took over the whole run (0..1): part of cpu_busy
+        that no process here used; a contended host shows up in it."""
+        a, b = self.samples[0], self.samples[-1]
+        return (b.steal - a.steal) / max(b.cpu_total - a.cpu_total, 1)
 
     def cpu_peak(self, t0: float, t1: float, span_s: float = 0.5) -> float:
         """Highest CPU busy share over any sub-window of about span_s."""

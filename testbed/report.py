@@ -81,7 +81,8 @@ def verdict_lines(summary: dict) -> list[str]:
         speed = f"  {sp:.2f}x basic (bound {m['speedup_bound']:.2f}x)" if sp is not None and "speedup_bound" in m else ""
         lines.append(f"{mode:<14} {'FAITHFUL' if m['faithful'] else 'UNFAITHFUL':<10} JCT {m['jct_s']:8.3f} s "
                      f"[{m['jct_testbed_s']:.1f}]{speed}  TTFT p50/p99 {_ms(m['ttft_s']['p50'])}/{_ms(m['ttft_s']['p99'])} ms"
-                     f"  TPOT p50 {_ms(m['tpot_s']['p50'])} ms  CPU {m['cpu_busy']:.0%} (own {m.get('cpu_testbed_processes', 0):.0%})")
+                     f"  TPOT p50 {_ms(m['tpot_s']['p50'])} ms  CPU {m['cpu_busy']:.0%} (own {m.get('cpu_testbed_processes', 0):.0%}"
+                     + (f", steal {m['cpu_steal']:.0%}" if m.get("cpu_steal") else "") + ")")
         for why in m.get("unfaithful_reasons", []):
             lines.append(f"{'':<14} - {why}")
         for note in m.get("fidelity_notes", []):

@@ -48,3 +48,15 @@ def test_steal_share_is_the_hypervisors_jiffies_over_all():
     assert steal_share((5, 10), (5, 10)) == 0.0  # no time passed: no share, no division by zero
     steal, total = read_steal()
     assert 0 <= steal <= total
+
+
+def test_a_busy_host_verdict_names_the_hypervisors_steal_and_the_monitor_measures_it():
+    from testbed.fidelity import CPU_BUSY_MAX, verdict
+    from testbed.monitor import Monitor, Sample
+
+    ok, reasons = verdict([], [], CPU_BUSY_MAX + 0.05, [], cpu_own=0.4, cpu_steal=0.2)
+    assert not ok and "the hypervisor's steal 20%" in reasons[0]
+    assert "steal" not in verdict([], [], CPU_BUSY_MAX + 0.05, [], cpu_own=0.4)[1][0]
+    mon = Monitor([])
+    mon.samples = [Sample(0.0, 100, 1000, {}, 0, 50), Sample(1.0, 700, 2000, {}, 0, 300)]
+    assert mon.cpu_steal() == pytest.approx(0.25)
