@@ -102,10 +102,10 @@ def _wait(cond, timeout_s: float = 10.0) -> None:
 def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
     client, loads, read_q, pulled, leaders, sched = cluster
     read_q["n0"] = 50_000_000  # the PE node's SNIC is far behind: the DE side must read
-    if leaders[0].bell is None:
-        # A polling leader may have gathered its reports before the line above and send them
-        # with the pull that takes r1; the DE side would then decide on the old read_q.
-        _wait(lambda: "n0" in sched.nodes and sched.nodes["n0"].read_q >= 50_000_000)
+    # A leader (polling, or rung: the bell only wakes it sooner) may have gathered its reports
+    # before the line above and send them with the pull that takes r1; the DE side would then
+    # decide on the old read_q (one fresh-clone suite failed so with the bell).
+    _wait(lambda: "n0" in sched.nodes and sched.nodes["n0"].read_q >= 50_000_000)
     client.submit([RequestMsg(request_id="r1", hit_tokens=320, miss_tokens=80, total_len=400)])
     _wait(lambda: {g for g, _ in pulled} == {"pe", "de-n1"})
     decided = next(a for g, got in pulled if g == "de-n1" for a in got)
