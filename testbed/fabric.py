@@ -10,7 +10,8 @@ attach`) so that standard tools and `dualpath clean` can see it.
 
 With transport "rdma" (Soft-RoCE, a kernel with rdma_rxe: the VM of scripts/vm.sh), every
 engine namespace gets an rxe device on its CNIC and every node's host namespace one on its
-host port, each named after its veth (`<dev>-rxe`). RoCEv2 is UDP 4791: its packets carry the
+host port, each named after its namespace (`<ns>-rxe`, e.g. dpt-p0e0-rxe: UCX truncates device
+names to 15 characters and then silently uses TCP, see dualpath/transport/rdma.py). RoCEv2 is UDP 4791: its packets carry the
 traffic class UCX sets (UCX_IB_TRAFFIC_CLASS, DSCP << 2) in the IPv4 TOS byte, so the same u32
 filters put them in the same HTB classes. Storage traffic stays on TCP (the store's protocol).
 """
@@ -222,13 +223,17 @@ class Fabric:
 
     def _add_rxe(self) -> None:
         from dualpath.transport.env import RdmaUnavailableError
+        from dualpath.transport.rdma import rxe_device_name
 
         try:  # built in, or absent: `rdma link add` says which
             run(["modprobe", "rdma_rxe"], check=False)
         except Exception:
             pass
         for nic in self.rdma_nics():
-            name = f"{nic.dev}-rxe"
+            try:
+                name = rxe_device_name(nic.ns)
+            except ValueError as e:
+                raise RdmaUnavailableError(f"transport 'rdma': {e}") from None
             try:
                 run(["rdma", "link", "add", name, "type", "rxe", "netdev", nic.dev], ns=nic.ns)
             except Exception as e:

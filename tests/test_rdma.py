@@ -72,10 +72,10 @@ def test_preloaded_process_is_told_only_what_is_still_missing():
 def test_a_device_without_the_preload_is_refused(tmp_path, monkeypatch):
     """The VM's case the counters would otherwise have to catch: an rxe device on the agent's
     interface, but a process with NIXL's bundled libibverbs. Refused before NIXL starts."""
-    sysfs = fake_sysfs(tmp_path, {"dpt-p0e0-cnic-rxe": {"sent_pkts": 0}})
+    sysfs = fake_sysfs(tmp_path, {"dpt-p0e0-rxe": {"sent_pkts": 0}})
     monkeypatch.setattr(rdma, "SYSFS", sysfs)
-    monkeypatch.setattr(rdma, "devices", lambda sysfs=sysfs: ["dpt-p0e0-cnic-rxe"])
-    monkeypatch.setattr(rdma, "device_for", lambda iface, names=None: "dpt-p0e0-cnic-rxe")
+    monkeypatch.setattr(rdma, "devices", lambda sysfs=sysfs: ["dpt-p0e0-rxe"])
+    monkeypatch.setattr(rdma, "device_for", lambda iface, names=None: "dpt-p0e0-rxe")
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv(rdma.ALLOW_UNPRELOADED, raising=False)
     with pytest.raises(RdmaUnavailableError) as e:
@@ -96,17 +96,40 @@ def test_preload_detection_needs_the_library_named_and_mapped():
 
 
 def test_no_device_on_the_interface_is_named(monkeypatch):
-    monkeypatch.setattr(rdma, "devices", lambda sysfs=None: ["dpt-d0e0-cnic-rxe"])
+    monkeypatch.setattr(rdma, "devices", lambda sysfs=None: ["dpt-d0e0-rxe"])
     monkeypatch.setattr(rdma, "device_for", lambda iface, names=None: None)
     dev, why = rdma.problems("dpt-p0e0-cnic", environ={"LD_PRELOAD": rdma.SYSTEM_LIBIBVERBS})
     assert dev is None and any("no RDMA device on interface 'dpt-p0e0-cnic'" in w for w in why)
 
 
 # ---- what UCX is told ------------------------------------------------------------------------
+def test_device_names_fit_ucx_and_a_longer_one_is_refused_loudly():
+    # UCX cuts a device name at 15 characters (UCT_MD_NAME_MAX 16 with the NUL); the cut name
+    # matches nothing in UCX_NET_DEVICES and UCX runs on TCP without a word (measured in the VM)
+    assert rdma.rxe_device_name("dpt-p0e0") == "dpt-p0e0-rxe"
+    assert len(rdma.rxe_device_name("dpt-p99e99")) <= rdma.UCX_DEVICE_NAME_MAX == 15
+    with pytest.raises(ValueError, match="UCT_MD_NAME_MAX"):
+        rdma.rxe_device_name("dpt-p0e0-cnic")  # the old <veth>-rxe scheme: 17 characters
+    with pytest.raises(RdmaUnavailableError, match="silently move every byte over TCP"):
+        build_ucx_env("dpt-p0e0-cnic", "kv", "rdma", rdma_device="dpt-p0e0-cnic-rxe", base={})
+    build_ucx_env("dpt-p0e0-cnic", "kv", "rdma", rdma_device="x" * 15, base={})  # the longest that fits
+
+
+def test_every_rdma_nic_of_the_shipped_topologies_gets_a_name_ucx_can_use():
+    from testbed.fabric import Fabric
+    from testbed.topology import load_topology
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "topologies").glob("*.yaml")):
+        fab = Fabric(load_topology(path), "rdma")
+        names = [rdma.rxe_device_name(n.ns) for n in fab.rdma_nics()]
+        assert len(set(names)) == len(names), path.name  # one RDMA NIC per namespace
+        assert all(len(x) <= rdma.UCX_DEVICE_NAME_MAX for x in names), path.name
+
+
 def test_rdma_env_rc_verbs_with_the_class_in_the_traffic_class():
-    env = build_ucx_env("dpt-p0e0-cnic", "kv", "rdma", rdma_device="dpt-p0e0-cnic-rxe", base={})
+    env = build_ucx_env("dpt-p0e0-cnic", "kv", "rdma", rdma_device="dpt-p0e0-rxe", base={})
     assert env["UCX_TLS"] == "rc_verbs,tcp"  # tcp: wire-up only (rc_verbs alone cannot connect)
-    assert env["UCX_NET_DEVICES"] == "dpt-p0e0-cnic-rxe:1,dpt-p0e0-cnic"
+    assert env["UCX_NET_DEVICES"] == "dpt-p0e0-rxe:1,dpt-p0e0-cnic"
     assert env["UCX_IB_TRAFFIC_CLASS"] == str(KV.dscp << 2) == "40"  # rxe: TOS 0x28, AF11
     assert "UCX_MODULES" not in env  # the ib module must load
     model = build_ucx_env("x", "model", "rdma", rdma_device="d", base={})
@@ -166,7 +189,7 @@ def test_roce_headers_are_counted_per_packet(monkeypatch):
     class Fab:
         nics = [nic]
         qos = True
-        rxe = {nic.dev: "dpt-p0e0-cnic-rxe"}
+        rxe = {nic.dev: "dpt-p0e0-rxe"}
 
         def rxe_of(self, n):
             return self.rxe.get(n.dev)
@@ -177,12 +200,12 @@ def test_roce_headers_are_counted_per_packet(monkeypatch):
     monkeypatch.setattr(counters, "class_counters", lambda dev, ns=None: {
         "1:20": (wire_tx, roce_tx + tcp_tx, 0) if ns else (wire_rx, roce_rx, 0), "1:10": (500, 5, 0)})
     monkeypatch.setattr(rdma, "read_counters", lambda *a, **k: {
-        "dpt-p0e0-cnic-rxe": {"sent_pkts": roce_tx, "rcvd_pkts": roce_rx}})
+        "dpt-p0e0-rxe": {"sent_pkts": roce_tx, "rcvd_pkts": roce_rx}})
     snap = counters.snapshot(Fab())
     assert snap.kv_payload[("dpt-p0e0", "cnic", "tx")] == roce_tx * 4096 + tcp_tx * 200
     assert snap.kv_payload[("dpt-p0e0", "cnic", "rx")] == roce_rx * 4096
     assert snap.roce_pkts[("dpt-p0e0", "cnic", "tx")] == roce_tx
-    assert snap.rxe == {"dpt-p0e0-cnic-rxe": {"sent_pkts": roce_tx, "rcvd_pkts": roce_rx}}
+    assert snap.rxe == {"dpt-p0e0-rxe": {"sent_pkts": roce_tx, "rcvd_pkts": roce_rx}}
 
 
 # ---- the CLI, for real, on a kernel without RDMA (root: it creates namespaces) --------------

@@ -154,6 +154,12 @@ def build_ucx_env(iface: str, traffic_class: str = "kv", transport: str = "tcp",
     else:  # rdma: rc_verbs for bulk, tcp only as the wire-up auxiliary transport
         if not rdma_device:
             raise RdmaUnavailableError("rdma transport needs an RDMA device")
+        from .rdma import check_device_name
+
+        try:
+            check_device_name(rdma_device)
+        except ValueError as e:
+            raise RdmaUnavailableError(str(e)) from None
         if "UCX_TLS" in base:
             check_tls(base["UCX_TLS"], "rdma", src)
         env["UCX_TLS"] = "rc_verbs,tcp"

@@ -14,6 +14,13 @@ So this module does two things:
 - `read_counters()` and `prove()`: the rxe devices' own `hw_counters`, before and after, against
   the KV bytes each device must have sent. If they are not there, RDMA did not carry them.
 
+A device's name must fit UCX: UCX keeps an RDMA device's name in a 16-byte memory-domain name
+(UCT_MD_NAME_MAX, NUL included). A longer name is cut, `UCX_NET_DEVICES=<name>:1` then matches no
+device, and UCX runs on the TCP device listed beside it, again silently: measured in the VM with
+dpt-p0e0-cnic-rxe (17 characters), UCX warned "network device ... is not available" and listed only
+the 13-character devices; rxe sent 0 packets. So the testbed names each device after its
+namespace (`rxe_device_name`) and refuses a name UCX would cut.
+
 RoCEv2 on the wire (what byte accounting subtracts per packet): Ethernet 14 + IPv4 20 + UDP 8
 (port 4791) + BTH 12 + ICRC 4 = 58 bytes; a WRITE's first packet adds a RETH (16), a READ
 response's first and last an AETH (4); an ACK is those 58 + AETH 4 with no payload.
@@ -38,6 +45,8 @@ _RXE_MTU_ALLOWANCE = 40 + 8 + 12 + 4 + 28 + 4
 # A device proves it carried its KV when its kv-class packets are RoCE at least this often
 # (the rest: UCX's TCP wire-up) and it sent at least as many packets as the bytes need.
 MIN_ROCE_SHARE = 0.95
+# UCX's UCT_MD_NAME_MAX is 16 bytes with the terminating NUL: longer device names are cut.
+UCX_DEVICE_NAME_MAX = 15
 # Only for showing that the counters catch the silent fallback (scripts/vm/rxe-smoke.sh's
 # negative control): lets an agent start without the preload. The proof then fails the run.
 ALLOW_UNPRELOADED = "DPT_RDMA_ALLOW_UNPRELOADED"
@@ -71,6 +80,23 @@ def preload_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
             if os.path.realpath(p) != os.path.realpath(SYSTEM_LIBIBVERBS)]
     out["LD_PRELOAD"] = " ".join([SYSTEM_LIBIBVERBS, *rest])
     return out
+
+
+def rxe_device_name(namespace: str) -> str:
+    """The rxe device of a namespace's one RDMA NIC (an engine's CNIC, a node's host port):
+    `<namespace>-rxe`, e.g. dpt-p0e0-rxe. Raises ValueError where UCX would cut it."""
+    name = f"{namespace}-rxe"
+    check_device_name(name)
+    return name
+
+
+def check_device_name(name: str) -> None:
+    """ValueError unless UCX can address `name` whole (UCX_DEVICE_NAME_MAX)."""
+    if len(name) > UCX_DEVICE_NAME_MAX:
+        raise ValueError(
+            f"RDMA device name {name!r} has {len(name)} characters: UCX keeps at most "
+            f"{UCX_DEVICE_NAME_MAX} (UCT_MD_NAME_MAX), would not find it under UCX_NET_DEVICES and "
+            f"would silently move every byte over TCP; use a shorter name")
 
 
 def devices(sysfs: Path = SYSFS) -> list[str]:
