@@ -163,6 +163,14 @@ class Cluster:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "Cluster":
+        if self.transport == "rdma":
+            from dualpath.transport.env import RdmaUnavailableError
+            from dualpath.transport.rdma import pinned_memory_problem
+
+            kinds = [e.kind for e in self.fab.endpoints]
+            why = pinned_memory_problem(kinds.count("host") * self.buffer_bytes + kinds.count("engine") * self.hbm_bytes)
+            if why:
+                raise RdmaUnavailableError(why)
         store_addrs = []
         for ep in (e for e in self.fab.endpoints if e.kind == "storage"):
             nic = ep.nic("storage_nic")

@@ -264,3 +264,19 @@ def test_fallback_control_counts_only_a_failure_the_counters_saw(monkeypatch):
                "error": "RdmaNotProvenError: " + rdma.not_proven_message(proof)}
         monkeypatch.setattr(benches, "_transport_pair", lambda *a, res=res, **k: res)
         assert _fallback_control(object(), progress=lambda m: None)["caught"] is caught
+
+
+def test_pinned_memory_that_does_not_fit_is_refused_before_anything_starts():
+    meminfo = "MemTotal:        6000000 kB\nMemAvailable:    5000000 kB\n"
+    assert rdma.pinned_memory_problem(2 << 30, meminfo) is None  # 2 GiB of 4.8 available
+    why = rdma.pinned_memory_problem(9 << 30, meminfo)  # 1p1d.yaml's 2 x 4 GiB + 4 x 1 GiB (VM: ibv_reg_mr failed)
+    assert why and "9.00 GiB" in why and "dram_buffer_gib" in why
+    assert rdma.pinned_memory_problem(9 << 30, "MemTotal: 1 kB\n") is None  # unknown: the device decides
+
+
+def test_the_rxe_topology_pins_what_the_vm_can_hold():
+    from testbed.topology import load_topology
+
+    s = load_topology(REPO / "topologies" / "1p1d-rxe.yaml").spec
+    pinned = (s.prefill_nodes + s.decode_nodes) * (s.dram_buffer_gib + s.engines_per_node * s.hbm_gib_per_engine)
+    assert pinned * 2**30 <= 0.8 * 4.5 * 2**30  # scripts/vm.sh gives the guest 6 GiB (--mem 6144)

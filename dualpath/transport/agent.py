@@ -382,7 +382,15 @@ class Agent(NotificationInbox):
         if nbytes == 0:
             raise TransportError(f"region {name!r} is empty")
         descs = self._nx.get_reg_descs([(addr, nbytes, 0, name)], "DRAM")
-        self._nx.register_memory(descs, backends=["UCX"])
+        try:
+            self._nx.register_memory(descs, backends=["UCX"])
+        except Exception as e:
+            if self.rdma_device is None:
+                raise
+            raise TransportError(
+                f"agent {self.name!r}: registering region {name!r} ({nbytes / 2**20:.0f} MiB) with RDMA device "
+                f"{self.rdma_device} failed ({type(e).__name__}): an RDMA device pins every registered byte "
+                f"(ibv_reg_mr), so the buffer must fit in memory that can be locked") from None
         self._reg_descs[name] = descs
         reg = Region(name, kind, addr, nbytes, buf)
         self._regions[name] = reg
