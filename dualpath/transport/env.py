@@ -151,7 +151,11 @@ def build_ucx_env(iface: str, traffic_class: str = "kv", transport: str = "tcp",
                     f"{src}: UCX_MODULES={mods!r} loads the ib module: the bundled libnl "
                     f"segfaults every process at exit; use UCX_MODULES=^ib on the tcp transport")
         env["UCX_MODULES"] = "^ib"
-    else:  # rdma: rc_verbs for bulk, tcp only as the wire-up auxiliary transport
+    else:
+        # rdma: rc_verbs for the bytes, ud_verbs to wire it up (rc_verbs alone cannot connect), and
+        # no tcp: with `rc_verbs,tcp` UCX 1.23 splits every PUT of 128 KiB or more 50/50 over the
+        # rxe device and the veth's TCP (UCX_PROTO_INFO in the VM: "50% on rc_verbs/...-rxe:1 and
+        # 50% on tcp/...-cnic"), so half of a large WRITE silently skipped RDMA.
         if not rdma_device:
             raise RdmaUnavailableError("rdma transport needs an RDMA device")
         from .rdma import check_device_name
@@ -162,8 +166,8 @@ def build_ucx_env(iface: str, traffic_class: str = "kv", transport: str = "tcp",
             raise RdmaUnavailableError(str(e)) from None
         if "UCX_TLS" in base:
             check_tls(base["UCX_TLS"], "rdma", src)
-        env["UCX_TLS"] = "rc_verbs,tcp"
-        env["UCX_NET_DEVICES"] = f"{rdma_device}:1,{iface}"
+        env["UCX_TLS"] = "rc_verbs,ud_verbs"
+        env["UCX_NET_DEVICES"] = f"{rdma_device}:1"
         if "UCX_MODULES" in base and "ib" in base["UCX_MODULES"] and base["UCX_MODULES"].startswith("^"):
             raise UcxEnvError(f"{src}: UCX_MODULES={base['UCX_MODULES']!r} excludes ib; rdma needs it")
         env["UCX_IB_TRAFFIC_CLASS"] = str(tc.tos_byte)  # rxe copies it into the IPv4 TOS byte
