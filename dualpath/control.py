@@ -28,6 +28,10 @@ import zmq
 import zmq.asyncio
 from pydantic import ValidationError, validate_call
 
+from dualpath.timeouts import scaled
+
+CALL_TIMEOUT_S = scaled(120.0)  # a command's reply; longer in the VM (dualpath/timeouts.py)
+
 MAX_MSG_BYTES = 64 << 20
 # What one request may build when unpacked (replies are ours and unbounded here). Without a
 # bound a 64 MiB request of empty arrays builds 64 M Python lists (about 4 GB, a minute);
@@ -228,7 +232,7 @@ class RpcClient:
         s.connect(self.endpoint)
         return s
 
-    async def call(self, cmd: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
+    async def call(self, cmd: str, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> dict[str, Any]:
         """Run `cmd` remotely; raise ControlError on an error reply, a timeout or a dead process."""
         async with self.lock:
             if self.dead:
@@ -283,7 +287,7 @@ class AsyncRpcClient:
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
-    async def call(self, cmd: str, timeout_s: float = 120.0, **args: Any) -> dict[str, Any]:
+    async def call(self, cmd: str, timeout_s: float = CALL_TIMEOUT_S, **args: Any) -> dict[str, Any]:
         """Run `cmd` remotely; raise ControlError on an error reply, a timeout or a dead process."""
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read())

@@ -29,6 +29,7 @@ import zmq.asyncio
 from dualpath.nodes.common import collective_port, jobs_port, load_port
 from dualpath.control import SECRET_BYTES, AsyncRpcClient, Auth, RpcClient
 from dualpath.kv.layouts import BlockGeometry
+from dualpath.timeouts import scaled
 from emulators.kvstore.launch import ServerProcess
 from testbed.cleanup import TMPFS_SOURCE
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, Endpoint, Fabric, engine_groups
@@ -39,10 +40,10 @@ CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
 STORE_PORT = 7000
 
 
-# How long a node process may take to start (import torch, the model, NIXL). In the Soft-RoCE
-# VM (scripts/vm.sh sets DPT_IN_VM) guest CPU work runs 5-9x slower under QEMU TCG, and every
-# process imports torch at once on two vCPUs: 120 s was measured too short there.
-READY_TIMEOUT_S = float(os.environ.get("DPT_READY_TIMEOUT_S") or (600 if os.environ.get("DPT_IN_VM") else 120))
+# How long a node process may take to start (import torch, the model, NIXL); in the Soft-RoCE VM
+# (DPT_IN_VM) timeouts scale (dualpath/timeouts.py): every process imports torch at once on two
+# emulated vCPUs there.
+READY_TIMEOUT_S = float(os.environ.get("DPT_READY_TIMEOUT_S") or scaled(120.0))
 
 class ProcessFailed(RuntimeError):
     pass

@@ -47,6 +47,7 @@ from testbed.cluster import Cluster
 from testbed.faults import FaultLog
 from testbed.modes import MODES, connector_of  # MODES is re-exported here
 from testbed.scheduling import Router
+from dualpath.timeouts import scaled
 
 MAX_ATTEMPTS = 3  # tries of one request while processes die under it
 
@@ -157,7 +158,7 @@ class PrefillJob:
 
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes, router: Router,
-                 request_timeout_s: float = 120.0, on_record: Callable[[RequestRecord], None] | None = None,
+                 request_timeout_s: float = scaled(120.0), on_record: Callable[[RequestRecord], None] | None = None,
                  cost_model: AttentionCostModel | None = None, quota_s: float = 0.3,
                  faults: FaultLog | None = None):
         """`cost_model` packs the PEs' passes under `quota_s` (both in the engines' time: the

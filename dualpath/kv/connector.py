@@ -34,6 +34,7 @@ from dualpath.kv.check import stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, pack_rows, unpack_layer
 from dualpath.model.device import to_device
+from dualpath.timeouts import scaled
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -107,7 +108,7 @@ class ConnectorStats:
 
 class KVConnector(ABC):
     def __init__(self, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-                 timeout_s: float = 60.0, device: str | torch.device = "cpu"):
+                 timeout_s: float = scaled(60.0), device: str | torch.device = "cpu"):
         self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
         self.device = torch.device(device)  # where the model computes (the past goes there)
         self.timeout_s = timeout_s

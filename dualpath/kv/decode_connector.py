@@ -26,6 +26,7 @@ from dualpath.kv.check import crc, stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, build_full_block, unpack_layer
 from dualpath.model.device import to_device
+from dualpath.timeouts import scaled
 
 KV = tuple[torch.Tensor, torch.Tensor]
 REREAD_AFTER_S = 0.002  # a late layer is read again after this long (its WRITE is still landing)
@@ -56,7 +57,7 @@ class DecodeStats:
 
 class DecodeConnector(ABC):
     def __init__(self, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
-                 timeout_s: float = 60.0, device: str | torch.device = "cpu"):
+                 timeout_s: float = scaled(60.0), device: str | torch.device = "cpu"):
         self.agent, self.hbm, self.alloc, self.geom = agent, hbm, alloc, geom
         self.device = torch.device(device)  # where the decode batch's KV lives (the prompt goes there)
         self.timeout_s = timeout_s

@@ -34,13 +34,14 @@ from dualpath.store.client import StoreClient
 from dualpath.store.errors import StoreError
 from dualpath.store.keys import check_key
 from dualpath.transport.waiter import NotificationWaiter
+from dualpath.timeouts import scaled
 
 JOB_WORKERS = 64  # concurrent waits and flushes: more than the requests a node has in flight
 
 # Timeouts a caller may ask for: a flush waits for a decode engine's WRITEs to land, a
 # wait_notifs for its notifications; both hold this agent's one control socket meanwhile, so
 # they are finite and at most the conductor's own call timeout (120 s) with room to spare.
-MAX_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = scaled(600.0)
 MAX_NOTIFS = 1 << 16  # notifications per wait_notifs (one per written-back block)
 MAX_NAME_CHARS = 256  # a peer name or a notification message
 STORE_RETRY_S = 30.0  # a store server that is unreachable (crashed, restarting) is retried this long
@@ -194,7 +195,7 @@ def main() -> None:
                 "errors": errors, "retries": store.retries - r0}
 
     @strict
-    def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = 10.0) -> dict:
+    def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = scaled(10.0)) -> dict:
         """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
 
         `crcs` are the writer's checksums: a block is persisted only once what landed here
@@ -219,7 +220,7 @@ def main() -> None:
                 "stored": stored, "errors": errors, "retries": writes.retries - r0}
 
     @strict
-    def wait_notifs(peer: str, msgs: list[str], timeout_s: float = 60.0) -> dict:
+    def wait_notifs(peer: str, msgs: list[str], timeout_s: float = scaled(60.0)) -> dict:
         """Block until `peer` has notified every message: NIXL delivers a transfer's
         notification after its data, so the WRITEs before them have landed."""
         deadline = time.monotonic() + check_wait_notifs(peer, msgs, timeout_s)

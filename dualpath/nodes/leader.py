@@ -26,10 +26,11 @@ import zmq.asyncio
 
 from dualpath.nodes.common import state_port
 from dualpath.control import Auth, ControlError, RpcClient, RpcServer
+from dualpath.timeouts import scaled
 
 DEFAULT_PULL_INTERVAL_S = 0.02  # without a doorbell: pull this often while idle
 HEARTBEAT_S = 0.1  # with one: pull at least this often (work deferred on load, lost rings)
-STATE_TIMEOUT_S = 3.0  # a member's state reply (a tiny command on its own thread); 1 s made live members look dead on a loaded 2-core host
+STATE_TIMEOUT_S = scaled(3.0)  # a member's state reply (a tiny command on its own thread); 1 s made live members look dead on a loaded 2-core host
 PROBE_EVERY_S = 1.0  # how often a member that stopped answering is asked again
 
 
@@ -103,7 +104,7 @@ class GroupLeader:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 5.0) -> dict:
+    def stop(self, timeout_s: float = scaled(5.0)) -> dict:
         self._stop.set()
         self._thread.join(timeout_s)
         return {"pulls": self.pulls, "assigned": self.assigned, "error": self.error,
@@ -120,7 +121,7 @@ class GroupLeader:
         from dualpath.scheduler.service import SchedulerClient
 
         ctx = zmq.asyncio.Context()
-        sched = SchedulerClient(self.scheduler, timeout_s=10.0, context=zmq.Context(), secret=self.secret)
+        sched = SchedulerClient(self.scheduler, timeout_s=scaled(10.0), context=zmq.Context(), secret=self.secret)
         peers = self.peers
         peers.open(ctx, {**{e: (ep, "load") for e, (_, _, ep) in self.members.items()},
                          **{n: (ep, "read_q") for n, ep in self.nodes.items()}})

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from dualpath.control import Auth
+from dualpath.timeouts import scaled
 
 from .core import Scheduler
 from .records import Assignment, Role
@@ -225,7 +226,7 @@ class SchedulerError(RuntimeError):
 class SchedulerClient:
     """What a group leader (or the request frontend) uses. Not thread-safe: one per thread."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None,
+    def __init__(self, endpoint: str, timeout_s: float = scaled(5.0), context: zmq.Context | None = None,
                  secret: bytes | None = None) -> None:
         self.auth = Auth(secret)
         self._ctx = context or zmq.Context.instance()

@@ -27,6 +27,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
+from dualpath.timeouts import scaled
+
 from .checksum import ALGO_NAMES, HARDWARE_CRC32C, WRITE_ALGO, checksum, is_known_algo
 from .errors import (
     BadRequestError,
@@ -235,7 +237,7 @@ class StoreClient:
         servers: Sequence[str | tuple[str, int]],
         block_bytes: int,
         *,
-        timeout_s: float = 30.0,
+        timeout_s: float = scaled(30.0),
         window: int | None = None,
         crc_threads: int | None = None,
         retry_s: float = 0.0,

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 import msgpack
 import numpy as np
 
+from dualpath.timeouts import scaled
 from dualpath.traffic_classes import by_name
 
 from .env import (
@@ -35,7 +36,7 @@ from .env import (
     require_rdma,
 )
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = scaled(60.0)
 KINDS = ("dram", "hbm")  # both are host memory on this machine; NIXL sees DRAM_SEG
 _MD_VERSION = 1
 
