@@ -252,6 +252,11 @@ def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) ->
             for d in p["devices"]:
                 typer.echo(f"    {d['device']}: {d['kv_bytes_sent']} KV bytes to send, sent_pkts +{d['sent_pkts']} "
                            f"(>= {d['min_pkts']} needed): {'ok' if d['proven'] else d['why']}")
+        fc = rep.get("fallback_control")
+        if fc:
+            typer.echo(f"  the same check without the system libibverbs preloaded: "
+                       + (f"caught ({'UCX refused to start: no usable transport' if fc['how'] == 'refused' else 'by the rxe counters'})"
+                          if fc["caught"] else f"NOT caught: {fc.get('error') or 'it passed'}"))
         if rep.get("reason") and not rep["rdma_proven"]:
             typer.echo(f"  {rep['reason']}")
     if not rep["rdma_proven"] and not as_json:

@@ -72,8 +72,13 @@ def rdma_check(fab, progress=print, fallback_control: bool = True) -> dict[str, 
 
 def _fallback_control(fab, progress=print) -> dict[str, Any]:
     """The same check in processes without the system libibverbs preloaded (the preload check
-    overridden): UCX then falls back to TCP silently, the bytes still arrive intact, and only
-    the rxe counters tell. `caught` says the proof failed that run, as it must."""
+    overridden). NIXL's bundled libibverbs sees no rxe device, and `caught` says the run did not
+    pass for RDMA, in either of the two ways it can fail:
+    - `refused`: UCX finds no usable transport and the agent cannot start (with UCX_TLS
+      rc_verbs,ud_verbs, which leaves UCX no TCP to fall back to);
+    - `counters`: the bytes arrive intact over some other transport and only the rxe counters
+      tell (with TCP among UCX_TLS, as measured before the testbed dropped it).
+    A counter read that failed altogether proves nothing and is not counted as caught."""
     import os
 
     from dualpath.transport.rdma import ALLOW_UNPRELOADED
@@ -82,11 +87,17 @@ def _fallback_control(fab, progress=print) -> dict[str, Any]:
     progress("  the same check without the system libibverbs preloaded (must be caught) ...")
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env[ALLOW_UNPRELOADED] = "1"
-    res = _transport_pair(fab, ["--transport", "rdma", "--mode", "check", "--size", str(2 << 20)], 300, env=env)
+    try:
+        res = _transport_pair(fab, ["--transport", "rdma", "--mode", "check", "--size", str(2 << 20)], 300, env=env)
+    except RuntimeError as e:  # the initiator could not start
+        refused = "no usable transports" in str(e)
+        return {"caught": refused, "how": "refused" if refused else None, "bytes_exact": False,
+                "bytes_moved": None, "rxe_sent_pkts": None, "error": " ".join(str(e).split())[:600]}
     err = res.get("error") or ""
     # caught: the proof failed because the rxe devices sent too few packets (not because their
     # counters could not be read, which would fail every run and so tell nothing)
     why = [d.get("why", "") for d in res.get("rdma", {}).get("devices", [])]
-    return {"caught": "did not cross RDMA" in err and any("RoCE packets" in w or "were RoCE" in w for w in why), "bytes_exact": bool(res.get("check", {}).get("ok")),
+    caught = "did not cross RDMA" in err and any("RoCE packets" in w or "were RoCE" in w for w in why)
+    return {"caught": caught, "how": "counters" if caught else None, "bytes_exact": bool(res.get("check", {}).get("ok")),
             "bytes_moved": res.get("bytes_moved"), "rxe_sent_pkts": res.get("rdma", {}).get("rxe_sent_pkts"),
             "error": err or None}

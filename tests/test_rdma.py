@@ -282,3 +282,23 @@ def test_the_rxe_topology_pins_what_the_vm_can_hold():
     s = load_topology(REPO / "topologies" / "1p1d-rxe.yaml").spec
     pinned = (s.prefill_nodes + s.decode_nodes) * (s.dram_buffer_gib + s.engines_per_node * s.hbm_gib_per_engine)
     assert pinned * 2**30 <= 0.8 * 4.5 * 2**30  # scripts/vm.sh gives the guest 6 GiB (--mem 6144)
+
+
+def test_fallback_control_counts_an_agent_ucx_refused_as_caught(monkeypatch):
+    """Without tcp in UCX_TLS an unpreloaded agent cannot fall back: UCX finds no transport and
+    the initiator dies (measured in the VM: exit -11 after "no usable transports/devices")."""
+    import testbed.benches as benches
+    from testbed.rdma_preflight import _fallback_control
+
+    def refuse(*a, **k):
+        raise RuntimeError("transport benchmark initiator failed (exit -11): ucp_context.c:1770 UCX ERROR no "
+                           "usable transports/devices (asked rc_verbs,ud_verbs on network:dpt-p0e0-rxe:1)")
+
+    def other(*a, **k):
+        raise RuntimeError("transport benchmark initiator failed (exit 1): something else")
+
+    monkeypatch.setattr(benches, "_transport_pair", refuse)
+    got = _fallback_control(object(), progress=lambda m: None)
+    assert got["caught"] is True and got["how"] == "refused" and "no usable transports" in got["error"]
+    monkeypatch.setattr(benches, "_transport_pair", other)
+    assert _fallback_control(object(), progress=lambda m: None)["caught"] is False
