@@ -11,7 +11,7 @@ T0=$(date +%s)
 bash "$REPO/scripts/vm.sh" build
 T1=$(date +%s)
 rc=0
-bash "$REPO/scripts/vm.sh" run --timeout "${VM_TEST_TIMEOUT:-5400}" \
+bash "$REPO/scripts/vm.sh" run --timeout "${VM_TEST_TIMEOUT:-9000}" \
     python scripts/vm/guest_test.py --run-id "$RUN_ID" ${VM_TEST_ARGS:-} || rc=$?
 T2=$(date +%s)
 S=$REPO/results/vm/$RUN_ID/summary.json
