@@ -92,11 +92,16 @@ def test_the_online_figures_share_their_runs():
 
 
 def test_estimate_of_the_demo_matches_the_readme():
-    """The README: the demo (24 agents, 5 modes on 1p1d-io) takes about three and a half minutes
-    (208 s measured on a quiet machine)."""
-    cfg = RunConfig("demo", "1p1d-io", ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle"), WorkloadSpec())
+    """The README: the demo (24 agents, 5 modes on 1p1d-io at the demo's link scale) stays within
+    three minutes; the estimate runs high (the plan's fixed costs are generous)."""
+    from testbed.cli import DEMO_SCALE
+
+    modes = ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle")
+    cfg = RunConfig("demo", "1p1d-io", modes, WorkloadSpec(), topology_overrides={"scale": DEMO_SCALE})
     e = estimate(cfg)
-    assert 150 <= e["total_s"] <= 300 and e["requests"] == 234
+    assert 120 <= e["total_s"] <= 240 and e["requests"] == 234
+    # the file's own scale dilates more: the demo's scale is what takes it under three minutes
+    assert estimate(RunConfig("demo", "1p1d-io", modes, WorkloadSpec()))["total_s"] > e["total_s"] + 20
     assert e["limited_by"]["basic"] == "storage NICs" and e["per_mode_s"]["basic"] > 1.8 * (e["per_mode_s"]["dualpath"] - 2)
 
 
