@@ -92,10 +92,10 @@ def cluster(request, monkeypatch):
     assert all(s["error"] is None for s in stats), stats
 
 
-def _wait(cond, timeout_s: float = 10.0) -> None:
+def _wait(cond, timeout_s: float = 10.0, state=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out; {state()}"
         time.sleep(0.01)
 
 
@@ -105,7 +105,9 @@ def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
     # A leader (polling, or rung: the bell only wakes it sooner) may have gathered its reports
     # before the line above and send them with the pull that takes r1; the DE side would then
     # decide on the old read_q (one fresh-clone suite failed so with the bell).
-    _wait(lambda: "n0" in sched.nodes and sched.nodes["n0"].read_q >= 50_000_000)
+    _wait(lambda: "n0" in sched.nodes and sched.nodes["n0"].read_q >= 50_000_000,
+          state=lambda: (f"scheduler nodes {sched.nodes!r}; leaders "  # one fresh-clone suite timed out here
+                         f"{[(x.group, x.pulls, x.pull_errors, sorted(x.peers.down())) for x in leaders]}"))
     client.submit([RequestMsg(request_id="r1", hit_tokens=320, miss_tokens=80, total_len=400)])
     _wait(lambda: {g for g, _ in pulled} == {"pe", "de-n1"})
     decided = next(a for g, got in pulled if g == "de-n1" for a in got)
