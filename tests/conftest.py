@@ -25,6 +25,20 @@ def dualpath(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProc
     return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the suite on a clean machine: a run that was killed before this suite (a CI job cut off,
+    a session's stray run) leaves dpt-* namespaces behind, and the tests that refuse leftovers, as a
+    user's testbed must, would then fail for what they did not do. Only the testbed's own prefixed
+    leftovers are removed, and the suite says what it removed."""
+    if not is_root():
+        return
+    from testbed.cleanup import clean, find_leftovers
+
+    if not find_leftovers().empty():
+        found = clean(verbose=False)
+        print(f"\ntests: removed leftovers of an earlier testbed run before the suite: {found.summary()}")
+
+
 @pytest.fixture
 def no_leftovers():
     """Fails the test if it leaves anything of the testbed behind; cleans up either way."""
