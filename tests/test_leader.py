@@ -47,8 +47,14 @@ def _control_port() -> int:
     pytest.skip("no two consecutive free ports")
 
 
+@pytest.fixture
+def initial_read_q() -> dict[str, int]:
+    """Each node's read queue (bytes) before the leaders start; a test parametrizes it."""
+    return {}
+
+
 @pytest.fixture(params=["bell", "poll"])
-def cluster(request, monkeypatch):
+def cluster(request, monkeypatch, initial_read_q):
     """Two prefill engines on node n0, one decode engine on node n1, their leaders and the service;
     the leaders pull when the scheduler's doorbell rings (with a heartbeat so long that only the
     ring can wake them within a test), or every 5 ms."""
@@ -62,7 +68,7 @@ def cluster(request, monkeypatch):
     th = threading.Thread(target=svc.serve, args=(10 ** 6, 60, stop), daemon=True)
     th.start()
     loads = {e: EngineLoad(hbm_tokens=10_000) for e in ("p0e0", "p0e1", "d1e0")}
-    read_q = {"n0": 0, "n1": 0}
+    read_q = {"n0": 0, "n1": 0, **initial_read_q}
     ports = {}
     for e, load in loads.items():
         ports[e] = _control_port()
@@ -99,12 +105,14 @@ def _wait(cond, timeout_s: float = 10.0, state=lambda: "") -> None:
         time.sleep(0.01)
 
 
+# The PE node's SNIC is far behind: the DE side must read. Set before the leaders start: set after,
+# a leader may have gathered its reports before and send them with the pull that takes r1 (the DE
+# side then decides on the old read_q), and with the bell and the fixture's 30 s heartbeat, a
+# leader whose first pull went out before the change does not pull again within the wait (two
+# fresh-clone suites failed so, once at the decision, once timing out in the wait below).
+@pytest.mark.parametrize("initial_read_q", [{"n0": 50_000_000}])
 def test_leaders_pull_decisions_and_hand_them_to_their_engines(cluster):
     client, loads, read_q, pulled, leaders, sched = cluster
-    read_q["n0"] = 50_000_000  # the PE node's SNIC is far behind: the DE side must read
-    # A leader (polling, or rung: the bell only wakes it sooner) may have gathered its reports
-    # before the line above and send them with the pull that takes r1; the DE side would then
-    # decide on the old read_q (one fresh-clone suite failed so with the bell).
     _wait(lambda: "n0" in sched.nodes and sched.nodes["n0"].read_q >= 50_000_000,
           state=lambda: (f"scheduler nodes {sched.nodes!r}; leaders "  # one fresh-clone suite timed out here
                          f"{[(x.group, x.pulls, x.pull_errors, sorted(x.peers.down())) for x in leaders]}"))
