@@ -33,6 +33,27 @@ def test_a_rising_ttft_is_not_steady_even_under_the_slo():
     assert any("still rising" in r for r in v["reasons"])
 
 
+def test_a_drain_after_the_last_agent_arrived_does_not_read_as_steady():
+    """Closed-loop agents of three turns: while agents arrive, the queue grows (TTFT 0.5 -> 3.5 s);
+    after the last agent arrived, the remaining turns see a falling TTFT. Measured up to the last
+    turn's arrival, the drain would make the end look like the middle: steady, SLO met."""
+    r = []
+    n = 60
+    for i in range(n):
+        t, ttft = float(i), 0.5 + 3.0 * i / (n - 1)
+        for turn in range(3):
+            r.append({"trajectory": i, "turn": turn, "arrive": t, "done": t + ttft + 1, "ttft": ttft,
+                      "ttst": ttft + 0.05, "tpot": 0.04, "error": False})
+            t += ttft + 1
+    for x in r:  # the drain: turns arriving after the last agent see the queue empty out
+        if x["arrive"] > n - 1:
+            x["ttft"] = max(0.5, 3.5 - (x["arrive"] - (n - 1)) * 0.5)
+    r.sort(key=lambda x: x["arrive"])
+    v = online.slo_verdict(r)
+    assert v["span"][1] == n - 1  # the last agent's arrival, not the last turn's
+    assert v["ttft_ok"] and not v["steady"] and not v["meets"]
+
+
 def test_small_fluctuations_far_below_the_slo_are_steady():
     """TTFTs around 0.1 s vary by far more than 5 % without a queue building."""
     v = online.slo_verdict(reqs([0.08, 0.12, 0.1, 0.15] * 20))
