@@ -93,14 +93,20 @@ def requests(run: Run, mode: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda x: x["arrive"])
 
 
+def agent_arrivals(reqs: Sequence[dict]) -> dict[int, float]:
+    """Each agent's arrival: its first turn's (emulated)."""
+    first: dict[int, float] = {}
+    for r in reqs:
+        first[r["trajectory"]] = min(first.get(r["trajectory"], math.inf), r["arrive"])
+    return first
+
+
 def agent_jcts(reqs: Sequence[dict]) -> list[float]:
     """Each agent's completion time: its last turn's end minus its first turn's arrival (emulated)."""
-    first: dict[int, float] = {}
     last: dict[int, float] = {}
     for r in reqs:
-        t = r["trajectory"]
-        first[t] = min(first.get(t, math.inf), r["arrive"])
-        last[t] = max(last.get(t, -math.inf), r["done"])
+        last[r["trajectory"]] = max(last.get(r["trajectory"], -math.inf), r["done"])
+    first = agent_arrivals(reqs)
     return [last[t] - first[t] for t in first]
 
 
@@ -110,13 +116,11 @@ def measured(reqs: Sequence[dict], warmup: float = WARMUP) -> tuple[list[dict], 
     The span ends where the Poisson process does: after the last agent arrived, no agent joins,
     the offered load falls below the APS as agents finish their turns, and TTFTs fall with it. A
     span that ran on to the last turn's arrival would end in that drain, which reads as steady:
-    it let basic at 1.6x its I/O capacity pass the SLO (fig10 --quick)."""
+    it let basic pass the SLO at 1.6x the planner's I/O bound for it (fig10 --quick)."""
     if not reqs:
         return [], (0.0, 0.0)
-    first: dict[int, float] = {}
-    for r in reqs:
-        first[r["trajectory"]] = min(first.get(r["trajectory"], math.inf), r["arrive"])
-    t0, t1 = min(first.values()), max(first.values())
+    first = agent_arrivals(reqs).values()
+    t0, t1 = min(first), max(first)
     start = t0 + warmup * (t1 - t0)
     return [r for r in reqs if start <= r["arrive"] <= t1], (start, t1)
 
