@@ -72,6 +72,27 @@ def _our_processes(ns_inodes: set[int]) -> list[int]:
     return pids
 
 
+def live_owners() -> set[int]:
+    """PIDs of live processes that hold a testbed up now: the recorded owner of the run
+    directory, and the parents of prefixed Mininet shells (Mininet's own process, which a
+    `dualpath run` or a reproduce is). A shell whose owner died is re-parented to init, so
+    what is left of a killed run has no live owner here, and this process is never counted."""
+    owners = set()
+    ref = rundir.live_owner()
+    if ref is not None:
+        owners.add(ref.pid)
+    for pid in _our_processes(set()):
+        if MININET_TAG not in _cmdline(pid):
+            continue
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid > 1:
+            owners.add(ppid)
+    return owners - {os.getpid()}
+
+
 def _our_mounts() -> list[str]:
     """Mount points of store tmpfs mounts, in this (the root) mount namespace."""
     out = []

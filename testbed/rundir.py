@@ -147,6 +147,15 @@ def owner(state: dict[str, Any]) -> ProcRef:
     return ProcRef(int(o.get("pid", 0)), int(o.get("start", -1)))
 
 
+def live_owner(run_dir: Path | None = None) -> ProcRef | None:
+    """The process that holds a testbed up right now, if the run directory records a live one."""
+    st = read(run_dir)
+    if st is None:
+        return None
+    ref = owner(st)
+    return ref if ref.alive() else None
+
+
 def release(run_dir: Path | None = None) -> None:
     run_dir = run_dir or RUN_DIR
     shutil.rmtree(run_dir, ignore_errors=True)

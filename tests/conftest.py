@@ -32,8 +32,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     leftovers are removed, and the suite says what it removed."""
     if not is_root():
         return
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.cleanup import clean, find_leftovers, live_owners
 
+    live = live_owners()
+    if live:  # a run in progress (a reproduce, a demo) is not a leftover: never destroy it
+        print(f"\ntests: a testbed is up, held by pid {', '.join(map(str, sorted(live)))}; leaving it alone, "
+              f"so the tests that bring up their own skip")
+        return
     if not find_leftovers().empty():
         found = clean(verbose=False)
         print(f"\ntests: removed leftovers of an earlier testbed run before the suite: {found.summary()}")
@@ -42,8 +47,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture
 def no_leftovers():
     """Fails the test if it leaves anything of the testbed behind; cleans up either way."""
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.cleanup import clean, find_leftovers, live_owners
 
+    live = live_owners()
+    if live:
+        pytest.skip(f"the machine holds one testbed at a time, and pid {', '.join(map(str, sorted(live)))} "
+                    f"holds one up now")
     before = find_leftovers()
     if not before.empty():
         clean(verbose=False)

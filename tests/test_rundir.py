@@ -4,7 +4,10 @@ machine, a clear line saying who holds it, processes known by pid and start time
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +23,10 @@ def run_dir(tmp_path, monkeypatch):
 
 
 def test_claim_is_one_per_machine_and_says_who_holds_it(run_dir):
+    assert rundir.live_owner() is None
     st = rundir.claim("api", "1p1d")
     assert rundir.read() == st and st["owner"]["pid"] == os.getpid() and st["phase"] == "starting"
+    assert rundir.live_owner() == rundir.owner(st)  # a live run: the suite's start must leave it up
     with pytest.raises(rundir.RunDirBusy, match=rf"^a testbed of 1p1d is already up, owned by pid {os.getpid()} "):
         rundir.claim("api", "2p1d")
     st["owner"]["kind"] = "detached"
@@ -44,6 +49,7 @@ def test_a_dead_owner_and_an_empty_dir_point_at_down(run_dir):
     st["owner"].update(ref.to_dict())
     rundir.write(st)
     assert detach.status() == (st, "dead")
+    assert rundir.live_owner() is None  # a dead owner's testbed is a leftover: the suite may sweep it
     with pytest.raises(rundir.RunDirBusy, match=rf"its owner \(pid {p.pid}\) is gone; run `dualpath down`"):
         rundir.claim("api", "1p1d")
     (run_dir / "state.json").unlink()
@@ -100,3 +106,38 @@ def test_exec_args_after_the_node(args, want):
 def test_an_unknown_option_before_the_command_is_one_line():
     with pytest.raises(TestbedError, match=r"^exec: no option '--ucxx' \(options: --ucx\); put the command after --"):
         detach.split_exec_args(["--ucxx", "--", "ls"])
+
+
+def test_a_run_in_progress_has_a_live_owner_and_a_killed_one_has_none(run_dir):
+    """The suite's start sweeps a killed run's leftovers but must leave a live run alone (it once
+    tore down a reproduce that was running beside it). A `dualpath run` claims no run directory:
+    its Mininet shells' parent is what says it is alive."""
+    from testbed.cleanup import MININET_TAG, live_owners
+
+    owner = subprocess.Popen(["bash", "-c", f"exec -a '{MININET_TAG}ztest' sleep 30 & echo $!; wait"],
+                             stdout=subprocess.PIPE, text=True)
+    shell = 0
+    try:
+        shell = int(owner.stdout.readline())
+        for _ in range(100):  # until the shell's exec has taken its tagged name
+            if MININET_TAG in Path(f"/proc/{shell}/cmdline").read_bytes().decode(errors="replace"):
+                break
+            time.sleep(0.02)
+        assert owner.pid in live_owners()
+        owner.kill()
+        owner.wait()
+        for _ in range(100):
+            ppid = int(Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != owner.pid:
+                break
+            time.sleep(0.02)
+        if ppid != 1:
+            pytest.skip(f"a subreaper (pid {ppid}) adopted the orphan, so it looks owned")
+        assert owner.pid not in live_owners()
+    finally:
+        owner.kill()
+        if shell:
+            try:
+                os.kill(shell, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
