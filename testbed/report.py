@@ -117,6 +117,12 @@ def e2e_lines(summary: dict) -> list[str]:
             cells.append("-" if r is None else
                          f"{r['expected'] / 1e6:.1f}/{r['measured'] / 1e6:.1f}{'' if r['ok'] else '!'}")
         lines.append(f"  {nic:<22}" + "".join(f"{c:>20}" for c in cells))
+    retries = {mode: m["rdma"]["retries"] for mode, m in summary["modes"].items() if (m.get("rdma") or {}).get("retries")}
+    if retries:
+        lines.append("RoCE re-sends (rxe hw_counters, all devices; rxe counts events, not bytes, so the bytes "
+                     "they re-sent stay in the measured counts above): " + "; ".join(
+                         f"{mode} retries {r['completer_retry_err']} (NAKs {r['rcvd_seq_err']}), duplicates "
+                         f"{r['duplicate_request']}, out of order {r['out_of_seq_request']}" for mode, r in retries.items()))
     ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
     lines.extend(_balance_lines(summary))

@@ -138,6 +138,18 @@ def test_rdma_env_rc_verbs_with_the_class_in_the_traffic_class():
     assert model["UCX_IB_TRAFFIC_CLASS"] == str(MODEL.dscp << 2) == "184"
 
 
+def test_rdma_env_waits_longer_than_a_starved_ack_before_resending():
+    """UCX's 1 s ack timeout re-sent packets that had arrived on a starved host (s25-vm: retries by
+    timeout, duplicates at the responders, NIC bytes up to 8.4 % over the paths)."""
+    from dualpath.transport.env import RC_TIMEOUT
+
+    env = build_ucx_env("c", "kv", "rdma", rdma_device="d", base={})
+    assert env["UCX_RC_TIMEOUT"] == RC_TIMEOUT and float(RC_TIMEOUT.rstrip("s")) >= 10
+    assert "UCX_RC_TIMEOUT" not in build_ucx_env("c", "kv", "tcp", base={})  # TCP has its own RTO
+    mine = build_ucx_env("c", "kv", "rdma", rdma_device="d", base={"UCX_RC_TIMEOUT": "2s"})
+    assert "UCX_RC_TIMEOUT" not in mine  # the user's own value, already in the environment, wins
+
+
 # ---- the proof -------------------------------------------------------------------------------
 def test_counters_read_as_the_kernel_lays_them_out(tmp_path):
     sysfs = fake_sysfs(tmp_path, {"a-rxe": {"sent_pkts": 5, "rcvd_pkts": 7, "sent_bytes": 100},
@@ -149,6 +161,15 @@ def test_counters_read_as_the_kernel_lays_them_out(tmp_path):
     assert rdma.ipv4_gid_index("a-rxe", sysfs=sysfs) == 1  # IPv4: HTB's u32 sees its DS field
     d = rdma.counters_delta({"a-rxe": {"sent_pkts": 9}}, {"a-rxe": {"sent_pkts": 5}})
     assert d == {"a-rxe": {"sent_pkts": 4}}
+
+
+def test_the_proof_sums_the_rc_re_sends_of_every_device():
+    delta = {"a-rxe": {"sent_pkts": 3000, "completer_retry_err": 9, "rcvd_seq_err": 3},
+             "b-rxe": {"sent_pkts": 10, "duplicate_request": 87, "out_of_seq_request": 6},
+             "c-rxe": {"sent_pkts": 5, "duplicate_request": 13}}
+    proof = rdma.prove(delta, {"a-rxe": 8 << 20}, 4096)
+    assert proof["retries"] == {"completer_retry_err": 9, "rcvd_seq_err": 3, "duplicate_request": 100,
+                                "out_of_seq_request": 6}
 
 
 def test_silent_tcp_fallback_is_not_proven():

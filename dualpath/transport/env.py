@@ -36,6 +36,17 @@ _BYPASS_TLS = {"sm", "shm", "mm", "cma", "posix", "sysv", "xpmem", "knem", "all"
 MANAGED_KEYS = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES", "UCX_TCP_PORT_RANGE",
                 "UCX_IB_TRAFFIC_CLASS")
 
+# The RC transport's ack timeout on rxe (UCX's default is 1 s: IB exponent 18, 1.07 s). rxe
+# acknowledges from kernel work items that compete with the engines for the CPU, so on a starved
+# host (the VM under TCG ran both cores at 99 %) an ACK can come later than 1 s: the requester then
+# re-sends everything unacknowledged although it arrived. That is what the s25-vm run measured:
+# completer_retry_err 10 with rcvd_seq_err 2 on one device (retries by timeout, not by loss), and
+# the responders counting 199 duplicate requests; NIC bytes came out 2.1-8.4 % over the paths.
+# A lost packet is still re-sent at once on the NAK that the next packet draws; only a lost tail
+# waits for this timer, and a dead peer is still caught by the transfers' own timeout
+# (agent.DEFAULT_TIMEOUT_S). 30 s is IB exponent 23 (34 s). A user's own UCX_RC_TIMEOUT wins.
+RC_TIMEOUT = "30s"
+
 
 class TransportError(RuntimeError):
     """Base class of every transport error."""
@@ -171,6 +182,8 @@ def build_ucx_env(iface: str, traffic_class: str = "kv", transport: str = "tcp",
         if "UCX_MODULES" in base and "ib" in base["UCX_MODULES"] and base["UCX_MODULES"].startswith("^"):
             raise UcxEnvError(f"{src}: UCX_MODULES={base['UCX_MODULES']!r} excludes ib; rdma needs it")
         env["UCX_IB_TRAFFIC_CLASS"] = str(tc.tos_byte)  # rxe copies it into the IPv4 TOS byte
+        if "UCX_RC_TIMEOUT" not in base:
+            env["UCX_RC_TIMEOUT"] = RC_TIMEOUT
 
     if "UCX_TCP_PORT_RANGE" in base:
         try:

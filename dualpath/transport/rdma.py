@@ -220,6 +220,13 @@ class DeviceProof:
         return dict(self.__dict__)
 
 
+# rxe's hw_counters that say RC re-sent packets: the requester's retries (by ack timeout or on a
+# NAK), the NAKs it got, and what the responders saw twice or out of order. rxe counts events,
+# not bytes, so re-sent bytes cannot be taken off the NIC counts the way TCP's are; the report
+# shows these beside the NIC bytes instead.
+RETRY_COUNTERS = ("completer_retry_err", "rcvd_seq_err", "duplicate_request", "out_of_seq_request")
+
+
 def prove(delta: Counters, kv_bytes_sent: Mapping[str, int], rdma_mtu: int | Mapping[str, int],
           kv_class_pkts: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Did RDMA carry the KV bytes? Per device: the KV bytes it had to send, against its
@@ -249,9 +256,10 @@ def prove(delta: Counters, kv_bytes_sent: Mapping[str, int], rdma_mtu: int | Map
             p.proven = True
         devs.append(p)
     relevant = [p for p in devs if p.kv_bytes_sent >= MIN_PROOF_BYTES]
-    total = {k: sum(c.get(k, 0) for c in delta.values()) for k in ("sent_pkts", "rcvd_pkts")}
+    total = {k: sum(c.get(k, 0) for c in delta.values()) for k in ("sent_pkts", "rcvd_pkts", *RETRY_COUNTERS)}
     return {"rdma_proven": bool(relevant) and all(p.proven for p in devs),
             "rxe_sent_pkts": total["sent_pkts"], "rxe_rcvd_pkts": total["rcvd_pkts"],
+            "retries": {k: total[k] for k in RETRY_COUNTERS},
             "kv_bytes": sum(p.kv_bytes_sent for p in devs),
             "devices": [p.to_dict() for p in devs],
             "counters_delta": {d: {k: v for k, v in c.items() if v} for d, c in delta.items()}}
