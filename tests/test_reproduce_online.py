@@ -54,6 +54,29 @@ def test_a_drain_after_the_last_agent_arrived_does_not_read_as_steady():
     assert v["ttft_ok"] and not v["steady"] and not v["meets"]
 
 
+def test_a_storage_nic_that_never_idles_fails_the_slo_with_flat_ttfts():
+    """fig10 --quick: basic's TTFTs stayed under 1 s at 3.76 APS while its PE's SNIC was 99.4 % busy."""
+    flat = reqs([0.5, 0.6] * 40)
+    hot = online.slo_verdict(flat, busy={"dpt-p0/snic": 0.994, "dpt-d0/snic": 0.04})
+    assert hot["steady"] and hot["ttft_ok"] and hot["saturated"] and not hot["meets"]
+    assert any("dpt-p0/snic busy 99.4%" in r for r in hot["reasons"])
+    assert online.slo_verdict(flat, busy={"dpt-p0/snic": 0.89})["meets"]
+
+
+def test_storage_busy_is_each_nics_busiest_direction_over_the_measured_span(tmp_path):
+    """Cumulative [rx, tx] samples in testbed s; the span in emulated s (x K). 48 Mbit/s is 6 MB/s:
+    between t = 2 and 10 the PE's SNIC received 47.52 MB (99 %), the DE's sent 12 MB (25 %)."""
+    from testbed.reproduce.runs import load_run
+
+    links = [{"t": t, "cpu_busy": None, "nics": {"dpt-p0/snic": [int(rx), 0], "dpt-d0/snic": [0, int(tx)]}}
+             for t, rx, tx in ((0.0, 0, 0), (2.0, 1e6, 5e5), (10.0, 1e6 + 47.52e6, 5e5 + 12e6), (14.0, 6e7, 2e7))]
+    rates = {"dpt-p0/snic": 48e6, "dpt-d0/snic": 48e6}
+    run = load_run(RunFolder(tmp_path / "r", dilation=K).mode("basic", snic_rates_bps=rates, links=links).write(aps=1.0))
+    busy = online.storage_busy(run, "basic", (2.0 / K, 10.0 / K))
+    assert busy == {"dpt-p0/snic": 0.99, "dpt-d0/snic": 0.25}
+    assert online.storage_busy(run, "basic", (1.0, 1.0)) == {}  # an empty span says nothing
+
+
 def test_small_fluctuations_far_below_the_slo_are_steady():
     """TTFTs around 0.1 s vary by far more than 5 % without a queue building."""
     v = online.slo_verdict(reqs([0.08, 0.12, 0.1, 0.15] * 20))
