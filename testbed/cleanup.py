@@ -82,13 +82,8 @@ def live_owners() -> set[int]:
     if ref is not None:
         owners.add(ref.pid)
     for pid in _our_processes(set()):
-        if MININET_TAG not in _cmdline(pid):
-            continue
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid > 1:
+        ppid = rundir.parent_pid(pid) if MININET_TAG in _cmdline(pid) else None
+        if ppid is not None and ppid > 1:
             owners.add(ppid)
     return owners - {os.getpid()}
 

@@ -40,16 +40,26 @@ def boot_id() -> str:
         return ""
 
 
-def proc_start(pid: int) -> int | None:
-    """The start time of a live process in clock ticks since boot; None if gone or a zombie."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state first); None if the process is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()  # the command name may contain spaces and ')'
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
+    return None if fields[0] in ("Z", "X") else fields
+
+
+def proc_start(pid: int) -> int | None:
+    """The start time of a live process in clock ticks since boot; None if gone or a zombie."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a live process; None if gone or a zombie."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 @dataclass(frozen=True)

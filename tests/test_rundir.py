@@ -127,7 +127,7 @@ def test_a_run_in_progress_has_a_live_owner_and_a_killed_one_has_none(run_dir):
         owner.kill()
         owner.wait()
         for _ in range(100):
-            ppid = int(Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            ppid = rundir.parent_pid(shell)
             if ppid != owner.pid:
                 break
             time.sleep(0.02)
