@@ -22,6 +22,9 @@ declare -A NEED=(
     [mnexec]=mininet [brctl]=bridge-utils [iperf3]=iperf3 [fio]=fio
     [nft]=nftables [tcpdump]=tcpdump [tc]=iproute2 [ip]=iproute2
     [ruby]=ruby  # `ruby -c Vagrantfile` in the suite: Vagrant itself cannot run here
+    # hosts: docker (testbed/containers.py): the testbed starts its own daemon; the node image
+    # is built from Debian packages by debootstrap (scripts/docker/build-image.sh)
+    [dockerd]=docker.io [debootstrap]=debootstrap
 )
 missing=()
 for cmd in "${!NEED[@]}"; do

@@ -6,8 +6,11 @@ Mininet shells tagged mininet:dpt-*, any process living in one of those
 namespaces, the tmpfs mounts of store roots (source dpt-store, under a run's
 /var/tmp/dpt-run-* scratch folder), and the run directory of a testbed
 (testbed/rundir.py) with its detached runner, which is known by the pid and start
-time recorded there. Nothing else is ever touched: no process is matched by a
-broad name.
+time recorded there. With `hosts: docker` (testbed/containers.py) also the
+containers named dpt-* of the testbed's own Docker daemon, that daemon and its
+containerd and shims (known by the daemon's own roots in their command lines), and
+their mounts. Nothing else is ever touched: no process is matched by a broad name,
+and a Docker daemon of the user's is never contacted.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.naming import PREFIX
-from testbed import rundir
+from testbed import containers, rundir
 from testbed.shell import run
 
 NETNS_DIR = Path("/run/netns")
@@ -39,6 +42,8 @@ class Leftovers:
     processes: list[int] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
     run_dirs: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
+    docker_daemon: list[int] = field(default_factory=list)  # our dockerd, its containerd and shims
 
     def empty(self) -> bool:
         return not any(vars(self).values())
@@ -129,6 +134,9 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
         (left.bridges if kind == "bridge" else left.links).append(name)
         if link.get("qdisc") not in (None, "noqueue", "noop"):
             left.qdiscs.append(name)
+    left.containers = containers.recorded_containers()
+    left.docker_daemon = sorted(set(containers.daemon_processes()) - (exclude_pids or set()))
+    left.mounts += [m for m in containers.our_mounts() if m not in left.mounts]
     tables = json.loads(run(["nft", "-j", "list", "tables"], check=False) or '{"nftables": []}')
     for item in tables.get("nftables", []):
         t = item.get("table")
@@ -146,6 +154,8 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         stop_runner(runner)  # it tears its own testbed down; whatever it could not is swept below
         rest = find_leftovers(exclude_pids)
     _kill(rest.processes)
+    if rest.containers or rest.docker_daemon:
+        _remove_containers(rest)
     for ns in rest.namespaces:
         run(["ip", "netns", "del", ns], check=False)
     for name in rest.links + rest.bridges:
@@ -162,6 +172,18 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         extra = f", {len(scratch)} scratch folder(s) of earlier runs" if scratch else ""
         print(f"dualpath clean: removed {found.summary()}{extra}")
     return found
+
+
+def _remove_containers(left: Leftovers) -> None:
+    """Our containers go through our daemon (started for it if a killed run took it down):
+    the data root's records are the daemon's to delete. Then the daemon and its remains go."""
+    if left.containers:
+        try:
+            containers.start_daemon()
+            containers.remove_containers()
+        except Exception as e:  # the daemon and mounts below are still removed
+            print(f"dualpath clean: containers {', '.join(left.containers)} not removed: {e}")
+    containers.stop_daemon()
 
 
 def _detached_runner() -> rundir.ProcRef | None:

@@ -362,6 +362,8 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
                                                     "conversation's first N turns (default all, 6 to 8)"),
             compute: Optional[str] = typer.Option(None, help="override the topology's compute: emulated (the "
                                                   "target GPU's time) or cpu (the host's own time)"),
+            hosts: Optional[str] = typer.Option(None, help="override the topology's hosts: namespaces (Mininet "
+                                                "hosts) or docker (a container per namespace, testbed/containers.py)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
             transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)"),
             device: str = typer.Option("cpu", help="where the engines compute: cpu, or cuda (the model and its "
@@ -383,7 +385,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns, faults=fault or [], device=device)
+             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts)
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
@@ -593,7 +595,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
 
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
                     model: Optional[str] = None, compute: Optional[str] = None, device: str = "cpu",
-                    scale: Optional[float] = None):
+                    scale: Optional[float] = None, hosts: Optional[str] = None):
     """Everything a run can check before it brings anything up; one line and exit 2 otherwise.
     Returns (topology, modes, checkpoint, geometry)."""
     import tempfile
@@ -611,6 +613,18 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
         from dataclasses import replace
 
         t = replace(t, spec=t.spec.model_copy(update={"compute": compute}))
+    if hosts is not None:
+        if hosts not in ("namespaces", "docker"):
+            _fail(f"--hosts: {hosts[:80]!r} is not namespaces or docker; fix: choose namespaces (Mininet hosts) "
+                  f"or docker (one container per namespace)")
+        from dataclasses import replace
+
+        t = replace(t, spec=t.spec.model_copy(update={"hosts": hosts}))
+    if t.spec.hosts == "docker":
+        from testbed.containers import DOCKERD
+
+        if not Path(DOCKERD).exists():
+            _fail(f"hosts: docker needs Debian's docker.io ({DOCKERD} is missing); fix: apt-get install docker.io")
     if scale is not None:  # the links' scale only: the dilation absorbs it (emulated times do not move)
         from dataclasses import replace
 
@@ -699,7 +713,7 @@ def _workload(ckpt: Path, trajectories: Optional[int], seed: int, first_turn_tok
 def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int, checkpoint: Optional[Path],
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
-             compute: Optional[str] = None, note=None, max_turns: Optional[int] = None,
+             compute: Optional[str] = None, note=None, max_turns: Optional[int] = None, hosts: Optional[str] = None,
              faults: Optional[list[str]] = None, device: str = "cpu", scale: Optional[float] = None) -> None:
     from dataclasses import replace
 
@@ -709,7 +723,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from testbed.report import e2e_lines
 
     t_start = time.monotonic()
-    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute,
+    t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
     wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)

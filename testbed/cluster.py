@@ -33,7 +33,7 @@ from dualpath.timeouts import scaled
 from emulators.kvstore.launch import ServerProcess
 from testbed.cleanup import TMPFS_SOURCE
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, Endpoint, Fabric, engine_groups
-from testbed.shell import ns_argv, run
+from testbed.shell import run
 
 REPO = Path(__file__).resolve().parent.parent
 CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
@@ -177,12 +177,15 @@ class Cluster:
             nic = ep.nic("storage_nic")
             root = self.run_dir / "store" / ep.name
             if ep.name in self.tmpfs_stores:  # a disk of its own, which a fault can fill
+                if ep.name in self.fab.containers:  # mounted here, unseen in the container's private mounts
+                    raise ValueError("a disk-full fault needs hosts: namespaces: the store's own tmpfs is "
+                                     "mounted in the root namespace, which a container's mounts do not see")
                 root.mkdir(parents=True, exist_ok=True)
                 run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_stores[ep.name]},mode=0700", TMPFS_SOURCE,
                      str(root)])
                 self.disk_mounts[root] = self.tmpfs_stores[ep.name]
             sp = ServerProcess(root, self.store_capacity,
-                               listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=ns_argv(ep.name, []),
+                               listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=self.fab.exec_argv(ep.name, []),
                                log_path=self.run_dir / "logs" / f"{ep.name}.log",
                                block_bytes=self.geom.full_block_bytes)  # refuses any other size
             self.stores.append(sp)
@@ -215,7 +218,7 @@ class Cluster:
             from dualpath.transport.rdma import preload_env
 
             env = preload_env(env)
-        argv = ns_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
+        argv = self.fab.exec_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
                                  "--ip", ip, "--control-port", str(CONTROL_PORT), "--transport", self.transport,
                                  *extra])
         with open(log, "ab") as lf:

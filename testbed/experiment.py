@@ -608,7 +608,8 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     geom = run_geometry(checkpoint)
     t0 = time.monotonic()
     spec = topo.spec
-    with Fabric(topo, transport) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+    shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent)  # what nodes read and write
+    with Fabric(topo, transport, shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
@@ -624,6 +625,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "checkpoint": shown_path(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len,
                     "transport": results[0].transport if results else transport, "device": device,
+                    "hosts": spec.hosts, "fabric_s": {k: round(v, 2) for k, v in fab.timings.items()},
                     "workload": workload.config.to_dict(), **(extra or {})})
     conv = conversation(results, checkpoint, workload)
     if conv:

@@ -14,12 +14,23 @@ host port, each named after its namespace (`<ns>-rxe`, e.g. dpt-p0e0-rxe: UCX tr
 names to 15 characters and then silently uses TCP, see dualpath/transport/rdma.py). RoCEv2 is UDP 4791: its packets carry the
 traffic class UCX sets (UCX_IB_TRAFFIC_CLASS, DSCP << 2) in the IPv4 TOS byte, so the same u32
 filters put them in the same HTB classes. Storage traffic stays on TCP (the store's protocol).
+
+With `hosts: docker` every namespace is a Docker container's instead (testbed/containers.py):
+the container starts with no network, and its Mininet host is a shell attached to it
+(`ContainerHost`), so Mininet moves the veths into the container's namespace as it would into
+its own host's, and the shaping, marks and counters below apply unchanged. Node processes
+enter the container (`Fabric.exec_argv`).
 """
 from __future__ import annotations
 
 import ipaddress
 import signal
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mininet.link import Link
 from mininet.net import Mininet
@@ -32,7 +43,7 @@ from dualpath.traffic_classes import KV_PORT_RANGE
 from emulators import dscp_marking
 from emulators.nic import NicShape, htb_batch, unshape_batch
 from testbed.cleanup import kill_processes_in
-from testbed.shell import run
+from testbed.shell import ns_argv, run
 from testbed.topology import Topology
 
 COMPUTE_BRIDGE = f"{PREFIX}-cbr"
@@ -134,14 +145,32 @@ def engine_groups(endpoints: list[Endpoint]) -> dict[str, list[Endpoint]]:
     return out
 
 
+class ContainerHost(Host):
+    """A Mininet host whose shell is attached to a running container's network and mount
+    namespaces (mnexec -a) instead of new ones: Mininet then wires the container as its own."""
+
+    def __init__(self, name: str, container_pid: int, **params: object):
+        self.container_pid = container_pid
+        super().__init__(name, **params)
+
+    def _popen(self, cmd: list[str], **params: object):  # type: ignore[override]
+        if not self.shell and cmd[:1] == ["mnexec"]:  # the shell itself: -cdn becomes -cd -a PID
+            cmd = ["mnexec", cmd[1].replace("n", ""), "-a", str(self.container_pid), *cmd[2:]]
+        return super()._popen(cmd, **params)
+
+
 class ClusterTopo(Topo):
     """The declarative Mininet topology: hosts, two bridges, one veth per NIC."""
 
-    def build(self, endpoints: list[Endpoint]) -> None:  # type: ignore[override]
+    def build(self, endpoints: list[Endpoint],  # type: ignore[override]
+              container_pids: dict[str, int] | None = None) -> None:
         self.addSwitch(COMPUTE_BRIDGE, cls=LinuxBridge, dpid="1")
         self.addSwitch(STORAGE_BRIDGE, cls=LinuxBridge, dpid="2")
         for ep in endpoints:
-            self.addHost(ep.name, ip=None)
+            if container_pids:
+                self.addHost(ep.name, ip=None, cls=ContainerHost, container_pid=container_pids[ep.name])
+            else:
+                self.addHost(ep.name, ip=None)
             for nic in ep.nics:
                 bridge = COMPUTE_BRIDGE if nic.bridge_dev.startswith(COMPUTE_BRIDGE) else STORAGE_BRIDGE
                 prefix = COMPUTE_NET if bridge == COMPUTE_BRIDGE else STORAGE_NET
@@ -152,10 +181,16 @@ class ClusterTopo(Topo):
 class Fabric:
     """A live emulated cluster. Use as a context manager so teardown always runs."""
 
-    def __init__(self, topo: Topology, transport: str = "tcp"):
+    def __init__(self, topo: Topology, transport: str = "tcp", shares: Sequence[Path] = ()):
+        """`shares`: folders the node processes read and write (the run's scratch folder, the
+        checkpoint's), bind-mounted into every container with `hosts: docker`; the checkout and
+        its venv always are, read-only."""
         if transport not in ("tcp", "rdma"):
             raise ValueError(f"unknown transport {transport!r}; expected tcp or rdma")
         self.topo = topo
+        self.shares = tuple(Path(p) for p in shares)
+        self.containers: dict[str, int] = {}  # namespace -> its container's init pid (hosts: docker)
+        self.timings: dict[str, float] = {}  # bring-up and teardown phases, seconds
         self.transport = transport
         self.rxe: dict[str, str] = {}  # veth (namespace end) -> its rxe device, with transport rdma
         self.endpoints = plan(topo)
@@ -176,9 +211,51 @@ class Fabric:
     def nics(self) -> list[Nic]:
         return [n for ep in self.endpoints for n in ep.nics]
 
+    @property
+    def docker(self) -> bool:
+        return self.topo.spec.hosts == "docker"
+
+    def exec_argv(self, ns: str, argv: Sequence[str]) -> list[str]:
+        """argv prefixed to run as a process of namespace `ns`: in it, or in its container."""
+        if ns in self.containers:
+            from testbed.containers import enter_argv
+
+            return enter_argv(self.containers[ns], list(argv))
+        return ns_argv(ns, argv)
+
     # -- lifecycle ------------------------------------------------------------
+    def _start_containers(self) -> None:
+        from testbed import containers
+
+        t0 = time.monotonic()
+        containers.start_daemon()
+        image = containers.ensure_image()
+        repo = Path(__file__).resolve().parent.parent
+        shares = [(repo, False)]
+        if not Path(sys.prefix).resolve().is_relative_to(repo):
+            shares.append((Path(sys.prefix).resolve(), False))
+        for p in self.shares:
+            p.mkdir(parents=True, exist_ok=True)
+            shares.append((p.resolve(), True))
+        limits = self.topo.spec.container_limits
+
+        def start(ep: Endpoint) -> tuple[str, int]:
+            spec = getattr(limits, ep.kind, None) if limits else None
+            lim = containers.Limits(spec.cpus, int(spec.memory_gib * 2**30) if spec.memory_gib else None) \
+                if spec else containers.Limits()
+            return ep.name, containers.run_container(ep.name, image, shares, lim)
+
+        # A few at a time: each copies the image (vfs), which the disk and the daemon overlap
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            self.containers.update(pool.map(start, self.endpoints))
+        self.timings["containers_s"] = time.monotonic() - t0
+
     def up(self) -> "Fabric":
-        self.net = Mininet(topo=ClusterTopo(endpoints=self.endpoints), switch=LinuxBridge,
+        t0 = time.monotonic()
+        if self.docker:
+            self._start_containers()
+        self.net = Mininet(topo=ClusterTopo(endpoints=self.endpoints, container_pids=self.containers or None),
+                           switch=LinuxBridge,
                            host=Host, link=Link, controller=None, build=False,
                            autoSetMacs=False, autoStaticArp=False, waitConnected=False)
         self.net.build()
@@ -208,6 +285,7 @@ class Fabric:
             run(["sysctl", "-q", "-w", *sysctls], ns=ep.name)
         if self.transport == "rdma":
             self._add_rxe()
+        self.timings["up_s"] = time.monotonic() - t0
         return self
 
     # -- Soft-RoCE -------------------------------------------------------------
@@ -281,6 +359,7 @@ class Fabric:
 
     def _down(self) -> None:
         errors = []
+        t0 = time.monotonic()
         # Processes started inside our namespaces would keep them alive, unseen, after
         # their names are gone: end them first.
         kill_processes_in(self._attached)
@@ -293,9 +372,20 @@ class Fabric:
             except Exception as e:  # keep tearing down the rest
                 errors.append(f"mininet stop: {e}")
             self.net = None
+        if self.containers or self.docker:
+            from testbed import containers
+
+            try:
+                if containers.daemon_pid() is not None:  # the daemon is the testbed's: all of its
+                    containers.remove_containers()  # containers are this fabric's
+            except Exception as e:
+                errors.append(f"containers: {e}")
+            self.containers.clear()
+            containers.stop_daemon()
         for name in self._attached:
             run(["ip", "netns", "del", name], check=False)
         self._attached.clear()
+        self.timings["down_s"] = time.monotonic() - t0
         if errors:
             raise RuntimeError("; ".join(errors))
 

@@ -87,6 +87,9 @@ _HINTS: dict[str, str] = {
     "target.model": "name a known target model, e.g. qwen2.5-32b (see emulators/gpu/models.py)",
     "mtu": "set mtu to an integer in [576, 9000]",
     "gso_max_bytes": "set gso_max_bytes to an integer from the mtu to 65536, or leave it out (the kernel's 65536)",
+    "hosts": "set hosts to namespaces (Mininet hosts, the default) or docker (one container per namespace)",
+    "container_limits": "give container_limits per kind, e.g. {engine: {cpus: 0.5, memory_gib: 4}} "
+                        "(kinds: engine, host, storage), with hosts: docker",
     "description": f"keep description to at most {MAX_SCALAR_CHARS} characters",
 }
 
@@ -103,6 +106,22 @@ class StorageSpec(_Strict):
     servers: int = Field(ge=1, le=99)
     disk_gbps: float = _Gbps
     nic_gbps: float = _Gbps
+
+
+class LimitsSpec(_Strict):
+    """One container's cgroup limits (hosts: docker); a field left out is unlimited."""
+
+    cpus: float | None = Field(default=None, gt=0, le=1024)
+    memory_gib: float | None = Field(default=None, ge=MIN_GIB, le=MAX_GIB)
+
+
+class ContainerLimitsSpec(_Strict):
+    """Limits per kind of namespace: every engine's container, every node's host container,
+    every storage server's."""
+
+    engine: LimitsSpec | None = None
+    host: LimitsSpec | None = None
+    storage: LimitsSpec | None = None
 
 
 class TargetSpec(_Strict):
@@ -152,6 +171,10 @@ class TopologySpec(_Strict):
     # (times the dilation); "cpu" keeps the host's own time, for runs that time the CPU.
     compute: Literal["emulated", "cpu"] = "emulated"
     target: TargetSpec = TargetSpec()
+    # How a node's namespaces are made: Mininet hosts, or Docker containers of the project's
+    # node image (testbed/containers.py), with optional cgroup limits.
+    hosts: Literal["namespaces", "docker"] = "namespaces"
+    container_limits: ContainerLimitsSpec | None = None
     description: str = Field(default="", max_length=MAX_SCALAR_CHARS)
     # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb: hence <= 99 (le above).
 
@@ -162,6 +185,12 @@ class TopologySpec(_Strict):
         if v is not None and mtu is not None and v < mtu:
             raise ValueError(f"{v} is below the mtu {mtu}")
         return v
+
+    @model_validator(mode="after")
+    def _limits_need_containers(self) -> "TopologySpec":
+        if self.container_limits is not None and self.hosts != "docker":
+            raise ValueError("container_limits apply to hosts: docker only")
+        return self
 
 
 @dataclass(frozen=True)
@@ -552,7 +581,8 @@ def _one_line(e: ValidationError, source: str) -> str:
         problem = f"has the wrong type ({type(err.get('input')).__name__} {shown})"
     else:
         problem = f"is invalid ({_short_name(err['msg'].lower(), 120)}; got {shown})"
-    hint = _HINTS.get(field, "see topologies/1p1d.yaml for a valid example")
+    hint = next((_HINTS[k] for k in (field, field.split(".")[0]) if k in _HINTS),
+                "see topologies/1p1d.yaml for a valid example")
     return f"{source}: field '{field}' {problem}; fix: {hint}"
 
 

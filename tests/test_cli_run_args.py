@@ -5,6 +5,7 @@ fails the test."""
 from __future__ import annotations
 
 import contextlib
+import types
 import json
 import os
 import shutil
@@ -98,7 +99,7 @@ def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, t
 
     @contextlib.contextmanager
     def fake_fabric(*_args):
-        yield object()
+        yield types.SimpleNamespace(timings={})
 
     def fake_run(fab, wl, checkpoint, scratch, **kw):
         scratch.mkdir(parents=True)

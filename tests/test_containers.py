@@ -1,0 +1,219 @@
+"""`hosts: docker`: every namespace of the fabric is a container of the testbed's own Docker daemon.
+
+The pure parts (cgroup paths, the entry command, limits, the topology field) run anywhere; the
+wiring runs as root with Debian's docker.io (scripts/bootstrap.sh installs it)."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from testbed import containers
+from testbed.cleanup import clean, find_leftovers
+from testbed.topology import ContainerLimitsSpec, LimitsSpec, TopologyError, load_topology
+from tests.conftest import REPO, dualpath, is_root
+
+needs_docker = pytest.mark.skipif(not (is_root() and Path(containers.DOCKERD).exists()),
+                                  reason="needs root and Debian's docker.io")
+TOPO = REPO / "topologies" / "1p1d.yaml"
+
+V1_MOUNTS = """cgroup /sys/fs/cgroup/cpu cgroup rw,relatime,cpu 0 0
+cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
+cgroup /sys/fs/cgroup/net_cls,net_prio cgroup rw,relatime,net_cls,net_prio 0 0
+cgroup /sys/fs/cgroup/systemd cgroup rw,relatime,xattr,name=systemd 0 0
+"""
+
+
+def test_procs_files_match_each_hierarchy_by_its_controllers():
+    got = containers.procs_files(V1_MOUNTS, "4:memory:/docker/ab\n3:net_cls,net_prio:/docker/ab\n"
+                                            "2:cpu:/docker/ab\n1:name=systemd:/docker/ab\n5:pids:/\n")
+    assert got == ["/sys/fs/cgroup/memory/docker/ab/cgroup.procs",
+                   "/sys/fs/cgroup/net_cls,net_prio/docker/ab/cgroup.procs",
+                   "/sys/fs/cgroup/cpu/docker/ab/cgroup.procs",
+                   "/sys/fs/cgroup/systemd/docker/ab/cgroup.procs"]  # pids: at the root, not mounted: none
+    v2 = "cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\n"
+    assert containers.procs_files(v2, "0::/system.slice/docker-ab.scope\n") == [
+        "/sys/fs/cgroup/system.slice/docker-ab.scope/cgroup.procs"]
+
+
+def test_entry_joins_the_cgroups_before_the_namespaces(monkeypatch):
+    monkeypatch.setattr(containers, "cgroup_procs_files", lambda pid: ["/cg/cpu/docker/x/cgroup.procs"])
+    argv = containers.enter_argv(4242, ["python", "-m", "x"])
+    assert argv[:2] == ["sh", "-c"] and "/cg/cpu/docker/x/cgroup.procs" in argv[2]
+    assert argv[2].index("echo $$") < argv[2].index('exec "$@"')  # the cgroup first: children inherit it
+    nsenter = argv[argv.index("nsenter"):]
+    assert "--target=4242" in nsenter and {"--mount", "--net", "--uts", "--ipc", "--root"} <= set(nsenter)
+    assert nsenter[-4:] == ["--", "python", "-m", "x"]
+
+
+def test_limits_become_cgroup_options():
+    assert containers.Limits().docker_args() == []
+    assert containers.Limits(0.5, 1 << 30).docker_args() == [
+        "--cpus=0.5", f"--memory={1 << 30}", f"--memory-swap={1 << 30}"]  # no swap beyond the limit
+
+
+def test_the_docker_client_never_follows_the_users_environment(monkeypatch):
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen.update(argv=argv, env=kw["env"])
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setenv("DOCKER_HOST", "unix:///run/users-own.sock")
+    monkeypatch.setenv("DOCKER_CONTEXT", "theirs")
+    monkeypatch.setattr(containers.subprocess, "run", fake_run)
+    containers.docker("ps")
+    assert seen["argv"][1:3] == ["-H", f"unix://{containers.SOCKET}"]
+    assert not any(k.startswith("DOCKER_") for k in seen["env"])
+
+
+@pytest.mark.parametrize("text, field", [
+    ("hosts: vm\n", "hosts"),
+    ("container_limits: {engine: {cpus: 0.5}}\n", "container_limits"),  # without hosts: docker
+    ("hosts: docker\ncontainer_limits: {engine: {cpus: 0}}\n", "container_limits.engine.cpus"),
+    ("hosts: docker\ncontainer_limits: {gpu: {cpus: 1}}\n", "container_limits.gpu"),
+])
+def test_bad_hosts_fields_get_one_line(tmp_path, text, field):
+    p = tmp_path / "t.yaml"
+    p.write_text(TOPO.read_text() + text)
+    with pytest.raises(TopologyError) as e:
+        load_topology(p)
+    msg = str(e.value)
+    assert "\n" not in msg and "fix:" in msg
+    assert field in msg or "container_limits apply to hosts: docker only" in msg
+
+
+def test_cli_rejects_an_unknown_hosts_value():
+    r = dualpath("run", str(TOPO), "--hosts", "vm", timeout=60)
+    assert r.returncode == 2 and "--hosts" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- live ---------------------------------------------------------------------------------------
+def _docker_topology(limits: ContainerLimitsSpec | None = None):
+    t = load_topology(TOPO)
+    return replace(t, spec=t.spec.model_copy(update={"hosts": "docker", "container_limits": limits}))
+
+
+def _in(fab, ns: str, code: str, timeout: float = 60) -> str:
+    p = subprocess.run(fab.exec_argv(ns, [sys.executable, "-c", code]), capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stderr[-500:]
+    return p.stdout
+
+
+def _htb_root_bytes(dev: str, ns: str) -> int:
+    """Bytes the NIC's HTB root class (1:1, both classes under it) has sent."""
+    from emulators.nic import parse_class_stats
+    from testbed.shell import run
+
+    return parse_class_stats(run(["tc", "-s", "class", "show", "dev", dev], ns=ns))["1:1"]
+
+
+@needs_docker
+def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
+    """Each namespace is its container's; a node process runs in its container (cgroups, image,
+    hostname) and its bytes cross the shaped NICs; the limits reach the cgroups; nothing is left."""
+    from testbed.fabric import Fabric
+    from testbed.shell import run
+
+    limits = ContainerLimitsSpec(engine=LimitsSpec(cpus=0.5, memory_gib=1.0))
+    with Fabric(_docker_topology(limits), shares=[tmp_path]) as fab:
+        assert set(containers.recorded_containers()) == {e.name for e in fab.endpoints}
+        for ep in fab.endpoints:
+            cpid = fab.containers[ep.name]
+            assert os.stat(f"/proc/{cpid}/ns/net").st_ino == os.stat(f"/run/netns/{ep.name}").st_ino, ep.name
+            ifs = {l.split()[0].split("@")[0] for l in run(["ip", "-br", "link"], ns=ep.name).splitlines()}
+            assert ifs - {"lo"} == {n.dev for n in ep.nics}
+        out = _in(fab, "dpt-p0e0", "import os, socket; print(socket.gethostname()); "
+                                   "print(open('/proc/self/cgroup').read().count('/docker/')); "
+                                   "print(os.path.exists('/usr/bin/iperf3')); "
+                                   f"open('{tmp_path}/from-p0e0', 'w').write('x')").split()
+        assert out[0] == "p0e0"
+        assert int(out[1]) >= 3  # in the container's cgroups (cpu, memory, ...), not the host's
+        assert out[2] == "False"  # the image's file system, not the host's (which has iperf3)
+        assert (tmp_path / "from-p0e0").read_text() == "x"  # a share is the host's folder
+        cid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0e0").strip()
+        assert Path(f"/sys/fs/cgroup/cpu/docker/{cid}/cpu.cfs_quota_us").read_text().strip() == "50000"
+        assert int(Path(f"/sys/fs/cgroup/memory/docker/{cid}/memory.limit_in_bytes").read_text()) == 1 << 30
+        # 2 MB from one node's engine to the other's, through both CNICs' HTB
+        src, dst = fab.endpoint("p0e0"), fab.endpoint("d0e0")
+        before = _htb_root_bytes(src.nic("cnic").dev, src.name)
+        server = subprocess.Popen(fab.exec_argv(dst.name, [sys.executable, "-c", (
+            "import socket; s=socket.create_server(('%s', 7711)); c,_=s.accept(); n=0\n"
+            "while (b:=c.recv(1<<16)): n+=len(b)\nprint(n)") % dst.ip]), stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)
+            _in(fab, src.name, f"import socket; c=socket.create_connection(('{dst.ip}', 7711), timeout=10); "
+                               "c.sendall(bytes(2_000_000)); c.close()")
+            assert int(server.communicate(timeout=30)[0]) == 2_000_000
+        finally:
+            server.kill()
+        assert _htb_root_bytes(src.nic("cnic").dev, src.name) - before >= 2_000_000
+    left = find_leftovers()
+    assert not left.containers and not left.docker_daemon and not left.mounts, left
+
+
+@needs_docker
+def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
+    """A second dockerd on its own socket and roots, as a user's would be, with DOCKER_HOST
+    pointing at it: the testbed's daemon, containers and `dualpath clean` never touch it."""
+    image = sorted((REPO / "build" / "docker").glob("rootfs-*.tar"))
+    if not image:  # the testbed's daemon builds it on first use
+        containers.start_daemon()
+        containers.ensure_image()
+        containers.stop_daemon()
+        image = sorted((REPO / "build" / "docker").glob("rootfs-*.tar"))
+    root = Path(tempfile.mkdtemp(prefix="user-docker-", dir="/tmp"))  # a short socket path
+    sock = root / "d.sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+    (root / "cfg.json").write_text("{}")
+    user = subprocess.Popen([containers.DOCKERD, f"--data-root={root}/data", f"--exec-root={root}/exec",
+                             f"--host=unix://{sock}", f"--pidfile={root}/pid", f"--config-file={root}/cfg.json",
+                             "--storage-driver=vfs", "--bridge=none", "--iptables=false", "--ip6tables=false",
+                             "--ip-forward=false", "--ip-masq=false"],
+                            stdout=open(root / "log", "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def theirs(*args: str) -> str:
+        return subprocess.run([containers.DOCKER, "-H", f"unix://{sock}", *args], capture_output=True, text=True,
+                              timeout=120, check=True, env=env).stdout
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run([containers.DOCKER, "-H", f"unix://{sock}", "version"], capture_output=True,
+                             env=env).returncode != 0:
+            assert time.monotonic() < deadline and user.poll() is None, (root / "log").read_text()[-500:]
+            time.sleep(0.3)
+        subprocess.run([containers.DOCKER, "-H", f"unix://{sock}", "import", str(image[-1]), "users:1"],
+                       check=True, capture_output=True, env=env, timeout=300)
+        theirs("run", "-d", "--name", "dpt-users-own", "--network", "none", "users:1", "sleep", "infinity")
+        os.environ["DOCKER_HOST"] = f"unix://{sock}"  # what a user's shell would hold
+        try:
+            containers.start_daemon()
+            containers.run_container("dpt-t0", containers.ensure_image(), [])
+            assert user.pid not in find_leftovers().docker_daemon
+            clean(verbose=False)  # removes ours: container, daemon, mounts
+        finally:
+            del os.environ["DOCKER_HOST"]
+        assert containers.daemon_pid() is None and not containers.recorded_containers()
+        assert user.poll() is None  # their daemon runs on
+        assert theirs("inspect", "--format", "{{.State.Running}}", "dpt-users-own").strip() == "true"
+    finally:
+        user.terminate()
+        try:
+            user.wait(30)
+        except subprocess.TimeoutExpired:
+            user.kill()
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):  # their containerd and shims, by their root
+            try:
+                if str(root).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(int(pid), 9)
+            except OSError:
+                pass
+        subprocess.run(["umount", "-R", "-l", str(root)], capture_output=True)
+        for m in [l.split()[1] for l in Path("/proc/self/mounts").read_text().splitlines() if str(root) in l]:
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
