@@ -139,7 +139,9 @@ class Testbed:
             raise TestbedError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
         self._catch_sigterm()
         t0 = time.monotonic()
-        self.fabric = Fabric(self.topo, self.transport)  # rdma: an rxe device per namespace
+        # with hosts: docker, the node processes' run directory and checkpoint are shared into the containers
+        shares = (self.run_dir, *((self._checkpoint(),) if self.services else ()))
+        self.fabric = Fabric(self.topo, self.transport, shares)  # rdma: an rxe device per namespace
         self.fabric.up()
         storage_ip = str(STORAGE_NET[STORAGE_CLIENT_HOST])
         run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
@@ -160,7 +162,7 @@ class Testbed:
         from testbed.experiment import run_geometry
         from testbed.runclock import RunClock
 
-        ckpt = self.checkpoint or demo_checkpoint()
+        ckpt = self._checkpoint()
         geom = run_geometry(ckpt)
         spec = self.topo.spec
         self.cluster = Cluster(self.fabric, self.run_dir, ckpt, geom, int(spec.dram_buffer_gib * 2**30),
@@ -185,6 +187,9 @@ class Testbed:
         self.state["processes"] = procs
         self.state["agents"] = {name: name for name in c.procs}  # a node process's NIXL agent is named after it
 
+    def _checkpoint(self) -> Path:
+        return self.checkpoint or demo_checkpoint()
+
     @staticmethod
     def _ref(pid: int) -> dict[str, int]:
         ref = rundir.ProcRef.of(pid)
@@ -207,6 +212,7 @@ class Testbed:
                                      "rate_bps": n.rate_bps, "classes": n.classes} for n in ep.nics]}
                           for ep in fab.endpoints],
             "mininet_shells": shells,
+            "containers": dict(fab.containers),  # namespace -> its container's init pid (hosts: docker)
             "store": None, "processes": [], "agents": {},
         }
 
@@ -407,6 +413,10 @@ def node_argv(state: Mapping[str, Any], node: str, argv: Sequence[str] | str) ->
     cmd = ["/bin/sh", "-c", argv] if isinstance(argv, str) else list(argv)
     if not cmd:
         raise TestbedError("exec: empty command")
+    if ns in state.get("containers", {}):
+        from testbed.containers import enter_argv
+
+        return enter_argv(state["containers"][ns], cmd)
     return ["ip", "netns", "exec", ns, *cmd]
 
 

@@ -240,6 +240,9 @@ def remove_recorded(state: dict) -> list[str]:
         run(["ip", "link", "del", link], check=False)
     if dels:
         removed.append(f"{len(dels)} links")
+    if state.get("containers"):
+        _remove_containers(Leftovers(containers=sorted(state["containers"])))
+        removed.append(f"{len(state['containers'])} containers and their daemon")
     if Path(state.get("run_dir", rundir.RUN_DIR)).exists():
         rundir.release(Path(state.get("run_dir", rundir.RUN_DIR)))
         removed.append("the run directory")

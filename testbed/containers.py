@@ -58,9 +58,11 @@ class Limits:
 
     cpus: float | None = None
     memory_bytes: int | None = None
+    cpu_shares: int | None = None
 
     def docker_args(self) -> list[str]:
         return ([f"--cpus={self.cpus:g}"] if self.cpus else []) + \
+               ([f"--cpu-shares={self.cpu_shares}"] if self.cpu_shares else []) + \
                ([f"--memory={self.memory_bytes}", f"--memory-swap={self.memory_bytes}"] if self.memory_bytes else [])
 
 

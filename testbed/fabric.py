@@ -241,8 +241,8 @@ class Fabric:
 
         def start(ep: Endpoint) -> tuple[str, int]:
             spec = getattr(limits, ep.kind, None) if limits else None
-            lim = containers.Limits(spec.cpus, int(spec.memory_gib * 2**30) if spec.memory_gib else None) \
-                if spec else containers.Limits()
+            lim = containers.Limits(spec.cpus, int(spec.memory_gib * 2**30) if spec.memory_gib else None,
+                                    spec.cpu_shares) if spec else containers.Limits()
             return ep.name, containers.run_container(ep.name, image, shares, lim)
 
         # A few at a time: each copies the image (vfs), which the disk and the daemon overlap

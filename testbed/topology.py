@@ -111,7 +111,8 @@ class StorageSpec(_Strict):
 class LimitsSpec(_Strict):
     """One container's cgroup limits (hosts: docker); a field left out is unlimited."""
 
-    cpus: float | None = Field(default=None, gt=0, le=1024)
+    cpus: float | None = Field(default=None, gt=0, le=1024)  # a hard cap (CFS quota), in CPUs
+    cpu_shares: int | None = Field(default=None, ge=2, le=262144)  # a weight under contention (1024: default)
     memory_gib: float | None = Field(default=None, ge=MIN_GIB, le=MAX_GIB)
 
 
@@ -313,7 +314,15 @@ class Topology:
                if s.gso_max_bytes else ""),
             *self._testbed_bound_lines(),
             time_line,
+            *([self._hosts_line()] if s.hosts == "docker" else []),
         ]
+
+    def _hosts_line(self) -> str:
+        lim = self.spec.container_limits
+        parts = [f"{kind} {', '.join(f'{k} {v:g}' for k, v in getattr(lim, kind).model_dump().items() if v)}"
+                 for kind in ("engine", "host", "storage") if lim and getattr(lim, kind)]
+        return ("hosts: docker, a container of the node image per namespace (testbed/containers.py); limits: "
+                + ("; ".join(parts) if parts else "none"))
 
     def _testbed_bound_lines(self) -> list[str]:
         """The testbed's own range (its veths' rx and tx, not PCIe and DRAM), the storage NICs'

@@ -124,6 +124,7 @@ SHIPPED = {
     "1p1d-bounds": ((1 / 3, 2), 16, SNIC_RX),  # the P/D sweep's base: g = 1
     "1p1d-isolation": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, collectives on
     "1p1d-rxe": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, for the Soft-RoCE VM
+    "1p1d-docker": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, in containers
 }
 
 

@@ -55,6 +55,7 @@ def test_limits_become_cgroup_options():
     assert containers.Limits().docker_args() == []
     assert containers.Limits(0.5, 1 << 30).docker_args() == [
         "--cpus=0.5", f"--memory={1 << 30}", f"--memory-swap={1 << 30}"]  # no swap beyond the limit
+    assert containers.Limits(cpu_shares=4096).docker_args() == ["--cpu-shares=4096"]
 
 
 def test_the_docker_client_never_follows_the_users_environment(monkeypatch):
@@ -121,7 +122,7 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
     from testbed.fabric import Fabric
     from testbed.shell import run
 
-    limits = ContainerLimitsSpec(engine=LimitsSpec(cpus=0.5, memory_gib=1.0))
+    limits = ContainerLimitsSpec(engine=LimitsSpec(cpus=0.5, memory_gib=1.0), host=LimitsSpec(cpu_shares=512))
     with Fabric(_docker_topology(limits), shares=[tmp_path]) as fab:
         assert set(containers.recorded_containers()) == {e.name for e in fab.endpoints}
         for ep in fab.endpoints:
@@ -140,6 +141,8 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
         cid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0e0").strip()
         assert Path(f"/sys/fs/cgroup/cpu/docker/{cid}/cpu.cfs_quota_us").read_text().strip() == "50000"
         assert int(Path(f"/sys/fs/cgroup/memory/docker/{cid}/memory.limit_in_bytes").read_text()) == 1 << 30
+        hid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0").strip()
+        assert Path(f"/sys/fs/cgroup/cpu/docker/{hid}/cpu.shares").read_text().strip() == "512"
         # 2 MB from one node's engine to the other's, through both CNICs' HTB
         src, dst = fab.endpoint("p0e0"), fab.endpoint("d0e0")
         before = _htb_root_bytes(src.nic("cnic").dev, src.name)
