@@ -245,7 +245,7 @@ class Fabric:
                                     spec.cpu_shares) if spec else containers.Limits()
             return ep.name, containers.run_container(ep.name, image, shares, lim)
 
-        # A few at a time: each copies the image (vfs), which the disk and the daemon overlap
+        # A few at a time: the daemon overlaps them (with vfs, each copies the image)
         with ThreadPoolExecutor(max_workers=4) as pool:
             self.containers.update(pool.map(start, self.endpoints))
         self.timings["containers_s"] = time.monotonic() - t0

@@ -4,8 +4,9 @@
 #   root file system: Debian 12 (bookworm, Python 3.11: the host venv's interpreter) by
 #                     debootstrap --variant=minbase, plus the packages below
 #   the project and its venv are not copied in: every container bind-mounts the checkout (and
-#   its .venv) read-only at the same path. With the vfs storage driver (the only one that runs
-#   here) each container copies its image whole, and the venv is over 1 GB.
+#   its .venv) read-only at the same path. The image stays small (under 200 MB) because where
+#   the daemon falls back to the vfs storage driver each container copies it whole, and the
+#   venv is over 1 GB.
 # usage: scripts/docker/build-image.sh DOCKER_SOCKET [--force]        (as root)
 # Cached and idempotent: the image's tag is a hash of this script; it is built only if the
 # daemon lacks that tag. Pinned: the suite is fixed, and the image's package versions are written
@@ -43,5 +44,10 @@ if [ $FORCE = 1 ] || [ ! -s "$TAR" ]; then
 fi
 t "import $NAME:$TAG ($(du -m "$TAR" | cut -f1) MB)"
 "${D[@]}" import --change 'CMD ["sleep", "infinity"]' "$TAR" "$NAME:$TAG" >/dev/null
+# Earlier builds (another version of this script) are nobody's: drop them, image and tarball.
+for old in $("${D[@]}" images --format '{{.Repository}}:{{.Tag}}' "$NAME" | grep -v ":$TAG\$" || true); do
+  "${D[@]}" rmi "$old" >/dev/null || true
+done
+find "$OUT" -maxdepth 1 -name 'rootfs-*.tar' ! -name "rootfs-$TAG.tar" -delete
 t "built $NAME:$TAG"
 echo "image $NAME:$TAG"
