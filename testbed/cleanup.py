@@ -44,6 +44,7 @@ class Leftovers:
     run_dirs: list[str] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
     docker_daemon: list[int] = field(default_factory=list)  # our dockerd, its containerd and shims
+    cgroups: list[str] = field(default_factory=list)  # the containers' parent cgroups
 
     def empty(self) -> bool:
         return not any(vars(self).values())
@@ -137,6 +138,7 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
     left.containers = containers.recorded_containers()
     left.docker_daemon = sorted(set(containers.daemon_processes()) - (exclude_pids or set()))
     left.mounts += [m for m in containers.our_mounts() if m not in left.mounts]
+    left.cgroups = containers.cgroup_dirs()
     tables = json.loads(run(["nft", "-j", "list", "tables"], check=False) or '{"nftables": []}')
     for item in tables.get("nftables", []):
         t = item.get("table")
@@ -154,7 +156,7 @@ def clean(verbose: bool = True, exclude_pids: set[int] | None = None) -> Leftove
         stop_runner(runner)  # it tears its own testbed down; whatever it could not is swept below
         rest = find_leftovers(exclude_pids)
     _kill(rest.processes)
-    if rest.containers or rest.docker_daemon:
+    if rest.containers or rest.docker_daemon or rest.cgroups:
         _remove_containers(rest)
     for ns in rest.namespaces:
         run(["ip", "netns", "del", ns], check=False)

@@ -28,7 +28,9 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,7 @@ PIDFILE = EXEC_ROOT / "dockerd.pid"
 LOG = Path("/var/log") / f"{PREFIX}-dockerd.log"
 IMAGE_SCRIPT = REPO / "scripts" / "docker" / "build-image.sh"
 START_TIMEOUT_S = 60.0
+CGROUP_PARENT = f"/{PREFIX}-docker"  # every container's cgroups sit under this one, per hierarchy
 SHM_BYTES = 256 << 20  # each container's own /dev/shm (the default 64 MiB is tight for torch)
 
 
@@ -124,6 +127,7 @@ STORAGE_DRIVERS = ("overlay2", "vfs")
 def _start(driver: str, config: Path) -> int:
     argv = [DOCKERD, f"--data-root={DATA_ROOT}", f"--exec-root={EXEC_ROOT}", f"--host=unix://{SOCKET}",
             f"--pidfile={PIDFILE}", f"--config-file={config}", f"--storage-driver={driver}",
+            f"--cgroup-parent={CGROUP_PARENT}",  # ours (not /docker, which a user's daemon shares)
             # no host networking changes: every container is --network none
             "--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false",
             "--ip-masq=false", "--userland-proxy=false"]
@@ -151,6 +155,7 @@ def stop_daemon(timeout_s: float = 20.0) -> None:
     _signal_and_wait(daemon_processes(), 5.0)
     for m in our_mounts():
         subprocess.run(["umount", "-l", m], capture_output=True)
+    remove_cgroup_dirs()
     shutil.rmtree(EXEC_ROOT, ignore_errors=True)
 
 
@@ -218,15 +223,25 @@ def _tail(path: Path) -> str:
 
 
 # -- the image -------------------------------------------------------------------------------------
-def ensure_image(progress=print) -> str:
-    """The node image's name:tag, built (Debian packages, about a minute) only if missing."""
-    p = subprocess.run(["bash", str(IMAGE_SCRIPT), str(SOCKET)], capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise DockerUnavailableError(f"building the node image failed: {(p.stderr or p.stdout).strip()[-400:]}")
-    for line in p.stdout.splitlines():
-        if line.startswith("[docker image") and "cached" not in line:
-            progress(line)
-    return p.stdout.strip().splitlines()[-1].split()[-1]
+def ensure_image(progress: Callable[[str], None] = print, timeout_s: float = 900) -> str:
+    """The node image's name:tag, built (Debian packages, about a minute, once) only if missing;
+    the build's steps go to `progress` as they happen."""
+    proc = subprocess.Popen(["bash", str(IMAGE_SCRIPT), str(SOCKET)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(timeout_s, proc.kill)  # debootstrap waits on the mirror
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("[docker image") and "cached" not in line:
+                progress(line.rstrip())
+        rc = proc.wait()
+    finally:
+        watchdog.cancel()
+    if rc != 0 or not lines or not lines[-1].startswith("image "):
+        raise DockerUnavailableError(f"building the node image failed (exit {rc}): {' | '.join(lines[-3:])[-400:]}")
+    return lines[-1].split()[-1]
 
 
 # -- containers ------------------------------------------------------------------------------------
@@ -266,6 +281,43 @@ def recorded_containers() -> list[str]:
         if name.startswith(f"{PREFIX}-"):
             out.append(name)
     return sorted(out)
+
+
+def weigh_containers(n: int) -> None:
+    """Give the containers' parent cgroup the CPU weight of `n` processes. The conductor and the
+    instruments run in the root cgroup, where each busy thread weighs 1024 on its own, while the
+    containers below their parent share that parent's one weight: with both cores contended the
+    nodes lost. Measured (dualpath-mode runs of 1p1d-io at scale 0.0025, two each): 6 and 8
+    prefill passes overran without this, 0 and 0 in namespaces."""
+    for d in cgroup_dirs():
+        if Path(d, "cpu.shares").exists():  # v1
+            Path(d, "cpu.shares").write_text(str(1024 * n))
+        elif Path(d, "cpu.weight").exists():  # v2: 100 is one process's default
+            Path(d, "cpu.weight").write_text(str(min(10000, 100 * n)))
+
+
+def cgroup_dirs() -> list[str]:
+    """Our parent cgroup's directory in every hierarchy where it exists (the daemon makes them)."""
+    out = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, target, fstype, *_ = line.split()
+        if fstype in ("cgroup", "cgroup2") and os.path.isdir(target + CGROUP_PARENT):
+            out.append(target + CGROUP_PARENT)
+    return out
+
+
+def remove_cgroup_dirs() -> None:
+    """rmdir our parent cgroups, deepest first (a cgroup directory goes only once it is empty)."""
+    for top in cgroup_dirs():
+        for d in sorted((p for p in Path(top).rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        try:
+            Path(top).rmdir()
+        except OSError:
+            pass
 
 
 def cgroup_procs_files(pid: int) -> list[str]:

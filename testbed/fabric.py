@@ -248,6 +248,7 @@ class Fabric:
         # A few at a time: the daemon overlaps them (with vfs, each copies the image)
         with ThreadPoolExecutor(max_workers=4) as pool:
             self.containers.update(pool.map(start, self.endpoints))
+        containers.weigh_containers(len(self.endpoints))
         self.timings["containers_s"] = time.monotonic() - t0
 
     def up(self) -> "Fabric":

@@ -73,6 +73,20 @@ def test_the_docker_client_never_follows_the_users_environment(monkeypatch):
     assert not any(k.startswith("DOCKER_") for k in seen["env"])
 
 
+def test_a_failed_image_build_says_why_and_streams_its_steps(monkeypatch, tmp_path):
+    script = tmp_path / "build.sh"
+    script.write_text('echo "[docker image +0s] debootstrap bookworm"\necho "E: no mirror" >&2\nexit 1\n')
+    monkeypatch.setattr(containers, "IMAGE_SCRIPT", script)
+    seen = []
+    with pytest.raises(containers.DockerUnavailableError) as e:
+        containers.ensure_image(progress=seen.append)
+    assert seen == ["[docker image +0s] debootstrap bookworm"]
+    assert "exit 1" in str(e.value) and "E: no mirror" in str(e.value)
+    script.write_text('echo "[docker image +0s] cached: dpt-node:abc"\necho "image dpt-node:abc"\n')
+    seen.clear()
+    assert containers.ensure_image(progress=seen.append) == "dpt-node:abc" and seen == []
+
+
 @pytest.mark.parametrize("text, field", [
     ("hosts: vm\n", "hosts"),
     ("container_limits: {engine: {cpus: 0.5}}\n", "container_limits"),  # without hosts: docker
@@ -131,7 +145,7 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
             ifs = {l.split()[0].split("@")[0] for l in run(["ip", "-br", "link"], ns=ep.name).splitlines()}
             assert ifs - {"lo"} == {n.dev for n in ep.nics}
         out = _in(fab, "dpt-p0e0", "import os, socket; print(socket.gethostname()); "
-                                   "print(open('/proc/self/cgroup').read().count('/docker/')); "
+                                   f"print(open('/proc/self/cgroup').read().count('{containers.CGROUP_PARENT}/')); "
                                    "print(os.path.exists('/usr/bin/iperf3')); "
                                    f"open('{tmp_path}/from-p0e0', 'w').write('x')").split()
         assert out[0] == "p0e0"
@@ -139,10 +153,12 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
         assert out[2] == "False"  # the image's file system, not the host's (which has iperf3)
         assert (tmp_path / "from-p0e0").read_text() == "x"  # a share is the host's folder
         cid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0e0").strip()
-        assert Path(f"/sys/fs/cgroup/cpu/docker/{cid}/cpu.cfs_quota_us").read_text().strip() == "50000"
-        assert int(Path(f"/sys/fs/cgroup/memory/docker/{cid}/memory.limit_in_bytes").read_text()) == 1 << 30
+        assert Path(f"/sys/fs/cgroup/cpu{containers.CGROUP_PARENT}/{cid}/cpu.cfs_quota_us").read_text().strip() == "50000"
+        assert int(Path(f"/sys/fs/cgroup/memory{containers.CGROUP_PARENT}/{cid}/memory.limit_in_bytes").read_text()) == 1 << 30
         hid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0").strip()
-        assert Path(f"/sys/fs/cgroup/cpu/docker/{hid}/cpu.shares").read_text().strip() == "512"
+        assert Path(f"/sys/fs/cgroup/cpu{containers.CGROUP_PARENT}/{hid}/cpu.shares").read_text().strip() == "512"
+        # the containers together weigh what seven processes would in the root cgroup
+        assert Path(f"/sys/fs/cgroup/cpu{containers.CGROUP_PARENT}/cpu.shares").read_text().strip() == str(1024 * 7)
         # 2 MB from one node's engine to the other's, through both CNICs' HTB
         src, dst = fab.endpoint("p0e0"), fab.endpoint("d0e0")
         before = _htb_root_bytes(src.nic("cnic").dev, src.name)
@@ -158,7 +174,7 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
             server.kill()
         assert _htb_root_bytes(src.nic("cnic").dev, src.name) - before >= 2_000_000
     left = find_leftovers()
-    assert not left.containers and not left.docker_daemon and not left.mounts, left
+    assert not left.containers and not left.docker_daemon and not left.mounts and not left.cgroups, left
 
 
 @needs_docker
