@@ -181,12 +181,11 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
 def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
     """A second dockerd on its own socket and roots, as a user's would be, with DOCKER_HOST
     pointing at it: the testbed's daemon, containers and `dualpath clean` never touch it."""
-    image = sorted((REPO / "build" / "docker").glob("rootfs-*.tar"))
-    if not image:  # the testbed's daemon builds it on first use
-        containers.start_daemon()
-        containers.ensure_image()
-        containers.stop_daemon()
-        image = sorted((REPO / "build" / "docker").glob("rootfs-*.tar"))
+    containers.start_daemon()  # the node image, saved from ours, is what their daemon runs too
+    image = containers.ensure_image()
+    saved = Path(tempfile.mkdtemp(prefix="dpt-image-", dir="/var/tmp")) / "image.tar"
+    containers.docker("save", "--output", str(saved), image, timeout=300)
+    containers.stop_daemon()
     root = Path(tempfile.mkdtemp(prefix="user-docker-", dir="/tmp"))  # a short socket path
     sock = root / "d.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
@@ -206,9 +205,8 @@ def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
                              env=env).returncode != 0:
             assert time.monotonic() < deadline and user.poll() is None, (root / "log").read_text()[-500:]
             time.sleep(0.3)
-        subprocess.run([containers.DOCKER, "-H", f"unix://{sock}", "import", str(image[-1]), "users:1"],
-                       check=True, capture_output=True, env=env, timeout=300)
-        theirs("run", "-d", "--name", "dpt-users-own", "--network", "none", "users:1", "sleep", "infinity")
+        theirs("load", "--input", str(saved))
+        theirs("run", "-d", "--name", "dpt-users-own", "--network", "none", image, "sleep", "infinity")
         os.environ["DOCKER_HOST"] = f"unix://{sock}"  # what a user's shell would hold
         try:
             containers.start_daemon()
@@ -236,3 +234,4 @@ def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
         for m in [l.split()[1] for l in Path("/proc/self/mounts").read_text().splitlines() if str(root) in l]:
             subprocess.run(["umount", "-l", m], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(saved.parent, ignore_errors=True)
