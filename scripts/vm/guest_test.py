@@ -45,6 +45,69 @@ def softnet_dropped() -> int:
         return -1
 
 
+class LossSampler:
+    """Where do rxe's lost packets go? Every `every_s`, from /proc/PID/net of one Mininet shell per
+    testbed namespace (no fork: the guest emulates every instruction), the namespace's UDP counters
+    (rxe's tunnel socket lives in it: RcvbufErrors would be a full socket) and its links' drop
+    and error counters; the last sample of each namespace is its total, since they live for the
+    whole run. Plus the kernel log's rxe and veth lines since the start."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last, self.stop = every_s, {}, threading.Event()
+        self.dmesg0 = len(_dmesg())
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            for d in Path("/proc").iterdir():
+                try:
+                    cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                    if "mininet:dpt-" not in cmd:  # a Mininet shell: one per namespace, and the bridges' in the root
+                        continue
+                    ns = cmd.split("mininet:", 1)[1].strip("\0").split("\0")[0]
+                    self.last[ns] = {"udp": _udp(d / "net" / "snmp"), "links": _link_drops(d / "net" / "dev")}
+                except (OSError, IndexError):
+                    continue
+
+    def __enter__(self) -> "LossSampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+    def totals(self) -> dict:
+        udp = {k: sum(v["udp"].get(k, 0) for v in self.last.values())
+               for k in ("InErrors", "RcvbufErrors", "SndbufErrors", "NoPorts", "InCsumErrors")}
+        links = {f"{ns}/{dev}": c for ns, v in self.last.items() for dev, c in v["links"].items() if any(c.values())}
+        lines = [l for l in _dmesg()[self.dmesg0:] if any(w in l.lower() for w in ("rxe", "rdma", "veth", "ib_"))]
+        return {"namespaces_sampled": len(self.last), "udp": udp, "links_with_drops_or_errors": links,
+                "kernel_log_lines": len(lines), "kernel_log": lines[:40]}
+
+
+def _udp(snmp: Path) -> dict[str, int]:
+    rows = [l.split() for l in snmp.read_text().splitlines() if l.startswith("Udp:")]
+    return dict(zip(rows[0][1:], map(int, rows[1][1:]))) if len(rows) >= 2 else {}
+
+
+def _link_drops(dev: Path) -> dict[str, dict[str, int]]:
+    out = {}
+    for line in dev.read_text().splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        f = rest.split()
+        if name.strip().startswith("dpt-") and len(f) >= 12:
+            out[name.strip()] = {"rx_errs": int(f[2]), "rx_drop": int(f[3]), "tx_errs": int(f[10]), "tx_drop": int(f[11])}
+    return out
+
+
+def _dmesg() -> list[str]:
+    try:
+        return subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
 def step(name: str, argv: list[str], log_dir: Path, timeout_s: float) -> tuple[int, float, str]:
     print(f"== {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
@@ -157,9 +220,10 @@ def main() -> int:
     # 3. e2e
     if not args.skip_e2e:
         dropped0 = softnet_dropped()
-        rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", E2E_MODES,
-                                            "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
-                              logs, args.e2e_timeout)
+        with LossSampler() as losses:
+            rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", E2E_MODES,
+                                                "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
+                                  logs, args.e2e_timeout)
         summary["wall_s"]["e2e"] = round(wall, 1)
         p = newest(out / "e2e")
         e = json.loads(p.read_text()) if p else {}
@@ -167,6 +231,7 @@ def main() -> int:
                                    "topology": args.topology, "trajectories": args.trajectories,
                                    "rdma": e.get("rdma"), "transport": e.get("transport"),
                                    "softnet_dropped": softnet_dropped() - dropped0,
+                                   "losses": losses.totals(),
                                    "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
         summary["modes"] = {m: {"verification": v.get("verification"), "requests": v.get("requests"),
                                 "errors": v.get("errors"), "faithful": v.get("faithful"),
