@@ -33,9 +33,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dualpath.naming import PREFIX
 from testbed.shell import CommandError
+
+if TYPE_CHECKING:
+    from testbed.topology import LimitsSpec
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERD = "/usr/sbin/dockerd"  # Debian's docker.io: the daemon and the client of one version
@@ -62,6 +66,13 @@ class Limits:
     cpus: float | None = None
     memory_bytes: int | None = None
     cpu_shares: int | None = None
+
+    @classmethod
+    def of(cls, spec: "LimitsSpec | None") -> "Limits":
+        """From a topology's limits for one kind of container (testbed.topology.LimitsSpec)."""
+        if spec is None:
+            return cls()
+        return cls(spec.cpus, int(spec.memory_gib * 2**30) if spec.memory_gib else None, spec.cpu_shares)
 
     def docker_args(self) -> list[str]:
         return ([f"--cpus={self.cpus:g}"] if self.cpus else []) + \

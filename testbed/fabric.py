@@ -240,9 +240,7 @@ class Fabric:
         limits = self.topo.spec.container_limits
 
         def start(ep: Endpoint) -> tuple[str, int]:
-            spec = getattr(limits, ep.kind, None) if limits else None
-            lim = containers.Limits(spec.cpus, int(spec.memory_gib * 2**30) if spec.memory_gib else None,
-                                    spec.cpu_shares) if spec else containers.Limits()
+            lim = containers.Limits.of(getattr(limits, ep.kind) if limits else None)
             return ep.name, containers.run_container(ep.name, image, shares, lim)
 
         # A few at a time: the daemon overlaps them (with vfs, each copies the image)

@@ -56,6 +56,8 @@ def test_limits_become_cgroup_options():
     assert containers.Limits(0.5, 1 << 30).docker_args() == [
         "--cpus=0.5", f"--memory={1 << 30}", f"--memory-swap={1 << 30}"]  # no swap beyond the limit
     assert containers.Limits(cpu_shares=4096).docker_args() == ["--cpu-shares=4096"]
+    assert containers.Limits.of(LimitsSpec(memory_gib=0.5, cpu_shares=512)) == containers.Limits(None, 1 << 29, 512)
+    assert containers.Limits.of(None) == containers.Limits()
 
 
 def test_the_docker_client_never_follows_the_users_environment(monkeypatch):
