@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dualpath.naming import PREFIX
+from testbed import rundir
 from testbed.shell import CommandError
 
 if TYPE_CHECKING:
@@ -212,17 +213,13 @@ def _signal_and_wait(pids: list[int], timeout_s: float) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    if state == "Z":  # a zombie child of ours: reap it
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        return False
-    return True
+    if rundir.proc_start(pid) is not None:  # also None for a zombie
+        return True
+    try:  # a zombie child of ours (the dockerd this process started): reap it
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return False
 
 
 def _tail(path: Path) -> str:
@@ -268,14 +265,15 @@ def run_container(name: str, image: str, shares: list[tuple[Path, bool]], limits
     return int(docker("inspect", "--format", "{{.State.Pid}}", name).strip())
 
 
-def remove_containers(names: list[str] | None = None) -> list[str]:
-    """Remove (killing first) the named containers, or every one of ours; the names removed."""
-    if names is None:
-        names = [n for n in docker("ps", "--all", "--format", "{{.Names}}").split() if n.startswith(f"{PREFIX}-")]
+def remove_containers() -> list[str]:
+    """Remove (killing first) every container of ours; their names. The daemon is the testbed's,
+    so what it holds is the testbed's."""
+    removed: list[str] = []
     for attempt in range(3):  # a container whose init just died may still be "in removal"
-        left = [n for n in names if n in docker("ps", "--all", "--format", "{{.Names}}").split()]
+        left = [n for n in docker("ps", "--all", "--format", "{{.Names}}").split() if n.startswith(f"{PREFIX}-")]
         if not left:
-            return names
+            return sorted(set(removed))
+        removed += left
         out = docker("rm", "--force", "--volumes", *left, timeout=120, check=False)
         time.sleep(0.5 * attempt)
     raise CommandError(f"containers {', '.join(left)} not removed: {out.strip()[-200:]}")

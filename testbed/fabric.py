@@ -230,9 +230,8 @@ class Fabric:
         t0 = time.monotonic()
         containers.start_daemon()
         image = containers.ensure_image()
-        repo = Path(__file__).resolve().parent.parent
-        shares = [(repo, False)]
-        if not Path(sys.prefix).resolve().is_relative_to(repo):
+        shares = [(containers.REPO, False)]
+        if not Path(sys.prefix).resolve().is_relative_to(containers.REPO):
             shares.append((Path(sys.prefix).resolve(), False))
         for p in self.shares:
             p.mkdir(parents=True, exist_ok=True)
