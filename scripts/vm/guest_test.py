@@ -21,6 +21,7 @@ read_over_perftest and write_over_perftest (shaped), and modes.<mode>.verificati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "testbed.cli"]
@@ -108,6 +110,25 @@ def _dmesg() -> list[str]:
         return []
 
 
+WQ_CPUMASK = Path("/sys/devices/virtual/workqueue/cpumask")
+
+
+@contextlib.contextmanager
+def wq_cpumask(mask: str | None) -> Iterator[dict]:
+    """The unbound workqueues' CPU mask set to `mask` for the block, then restored; yields what
+    was in force ({"before", "during"}), so the summary says which run had which."""
+    before = WQ_CPUMASK.read_text().strip() if WQ_CPUMASK.exists() else None
+    if mask is None:
+        yield {"before": before, "during": before}
+        return
+    WQ_CPUMASK.write_text(mask + "\n")
+    try:
+        yield {"before": before, "during": WQ_CPUMASK.read_text().strip()}
+    finally:
+        if before is not None:
+            WQ_CPUMASK.write_text(before + "\n")
+
+
 def step(name: str, argv: list[str], log_dir: Path, timeout_s: float) -> tuple[int, float, str]:
     print(f"== {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
@@ -148,6 +169,10 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--bench-timeout", type=float, default=1500, help="seconds (the smoke gets 900)")
+    ap.add_argument("--wq-cpumask", default=None, metavar="HEX",
+                    help="confine the kernel's unbound workqueues (rxe's tasks run on one) to these CPUs for the "
+                    "e2e step, e.g. 1; restored after it. Tests whether rxe's retries come from reordering "
+                    "across CPUs rather than loss")
     ap.add_argument("--e2e-timeout", type=float, default=7200, help="seconds (its five modes took 3,600 s under TCG, "
                     "before the recomputation that checks them)")
     args = ap.parse_args()
@@ -220,7 +245,7 @@ def main() -> int:
     # 3. e2e
     if not args.skip_e2e:
         dropped0 = softnet_dropped()
-        with LossSampler() as losses:
+        with LossSampler() as losses, wq_cpumask(args.wq_cpumask) as mask:
             rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", E2E_MODES,
                                                 "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
                                   logs, args.e2e_timeout)
@@ -231,6 +256,7 @@ def main() -> int:
                                    "topology": args.topology, "trajectories": args.trajectories,
                                    "rdma": e.get("rdma"), "transport": e.get("transport"),
                                    "softnet_dropped": softnet_dropped() - dropped0,
+                                   "wq_cpumask": mask,
                                    "losses": losses.totals(),
                                    "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
         summary["modes"] = {m: {"verification": v.get("verification"), "requests": v.get("requests"),
