@@ -1,5 +1,5 @@
-"""Docker-hosted nodes (topology `hosts: docker`): the testbed's own daemon, its node image,
-and one container per namespace of the fabric.
+"""Docker-hosted nodes (topology `hosts: docker`): the testbed's own daemon and one container
+per namespace of the fabric (their image: testbed/node_image.py).
 
 The daemon is the testbed's alone. It is started here with its own socket, pid file, exec root
 and data root (all named with the project's prefix) and a config file of its own, so a Docker
@@ -28,12 +28,10 @@ import shlex
 import shutil
 import signal
 import subprocess
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from dualpath.naming import PREFIX
 from testbed import rundir
@@ -50,7 +48,6 @@ DATA_ROOT = Path("/var/lib") / f"{PREFIX}-docker"
 SOCKET = EXEC_ROOT / "docker.sock"
 PIDFILE = EXEC_ROOT / "dockerd.pid"
 LOG = Path("/var/log") / f"{PREFIX}-dockerd.log"
-IMAGE_SCRIPT = REPO / "scripts" / "docker" / "build-image.sh"
 START_TIMEOUT_S = 60.0
 CGROUP_PARENT = f"/{PREFIX}-docker"  # every container's cgroups sit under this one, per hierarchy
 SHM_BYTES = 256 << 20  # each container's own /dev/shm (the default 64 MiB is tight for torch)
@@ -81,20 +78,22 @@ class Limits:
                ([f"--memory={self.memory_bytes}", f"--memory-swap={self.memory_bytes}"] if self.memory_bytes else [])
 
 
-def docker(*args: str, timeout: float = 60, check: bool = True) -> str:
-    """The docker client, always on the testbed's own socket (never $DOCKER_HOST)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")}
+def docker(*args: str, timeout: float = 60, check: bool = True, stdin: IO[bytes] | None = None) -> str:
+    """The docker client, always on the testbed's own socket (never $DOCKER_HOST), with the
+    classic builder (Debian's docker.io ships no buildx); `stdin` feeds it (a build context)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DOCKER_")} | {"DOCKER_BUILDKIT": "0"}
     try:
-        p = subprocess.run([DOCKER, "-H", f"unix://{SOCKET}", *args], capture_output=True, text=True,
-                           timeout=timeout, env=env)
+        p = subprocess.run([DOCKER, "-H", f"unix://{SOCKET}", *args], capture_output=True, timeout=timeout,
+                           env=env, stdin=stdin)
     except FileNotFoundError:
         raise DockerUnavailableError(f"{DOCKER} missing: `hosts: docker` needs Debian's docker.io "
                                      "(apt-get install docker.io)") from None
     except subprocess.TimeoutExpired:
         raise CommandError(f"docker {' '.join(args[:3])} timed out after {timeout:g}s") from None
+    out, err = p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace")
     if check and p.returncode != 0:
-        raise CommandError(f"docker {' '.join(args[:3])} failed: {(p.stderr or p.stdout).strip()[-300:]}")
-    return p.stdout
+        raise CommandError(f"docker {' '.join(args[:3])} failed: {(err or out).strip()[-300:]}")
+    return out
 
 
 # -- the daemon ------------------------------------------------------------------------------------
@@ -228,28 +227,6 @@ def _tail(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1][-300:] if lines else ""
-
-
-# -- the image -------------------------------------------------------------------------------------
-def ensure_image(progress: Callable[[str], None] = print, timeout_s: float = 900) -> str:
-    """The node image's name:tag, built (Debian packages, about a minute, once) only if missing;
-    the build's steps go to `progress` as they happen."""
-    proc = subprocess.Popen(["bash", str(IMAGE_SCRIPT), str(SOCKET)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    watchdog = threading.Timer(timeout_s, proc.kill)  # debootstrap waits on the mirror
-    watchdog.start()
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("[docker image") and "cached" not in line:
-                progress(line.rstrip())
-        rc = proc.wait()
-    finally:
-        watchdog.cancel()
-    if rc != 0 or not lines or not lines[-1].startswith("image "):
-        raise DockerUnavailableError(f"building the node image failed (exit {rc}): {' | '.join(lines[-3:])[-400:]}")
-    return lines[-1].split()[-1]
 
 
 # -- containers ------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ipaddress
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -183,8 +182,8 @@ class Fabric:
 
     def __init__(self, topo: Topology, transport: str = "tcp", shares: Sequence[Path] = ()):
         """`shares`: folders the node processes read and write (the run's scratch folder, the
-        checkpoint's), bind-mounted into every container with `hosts: docker`; the checkout and
-        its venv always are, read-only."""
+        checkpoint's), bind-mounted into every container with `hosts: docker` (the checkout and
+        its venv are in the node image, testbed/node_image.py)."""
         if transport not in ("tcp", "rdma"):
             raise ValueError(f"unknown transport {transport!r}; expected tcp or rdma")
         self.topo = topo
@@ -225,14 +224,12 @@ class Fabric:
 
     # -- lifecycle ------------------------------------------------------------
     def _start_containers(self) -> None:
-        from testbed import containers
+        from testbed import containers, node_image
 
         t0 = time.monotonic()
         containers.start_daemon()
-        image = containers.ensure_image()
-        shares = [(containers.REPO, False)]
-        if not Path(sys.prefix).resolve().is_relative_to(containers.REPO):
-            shares.append((Path(sys.prefix).resolve(), False))
+        image = node_image.ensure()  # carries the checkout and the venv (vfs: binds them instead)
+        shares = [(p, False) for p in image.binds]
         for p in self.shares:
             p.mkdir(parents=True, exist_ok=True)
             shares.append((p.resolve(), True))
@@ -240,7 +237,7 @@ class Fabric:
 
         def start(ep: Endpoint) -> tuple[str, int]:
             lim = containers.Limits.of(getattr(limits, ep.kind) if limits else None)
-            return ep.name, containers.run_container(ep.name, image, shares, lim)
+            return ep.name, containers.run_container(ep.name, image.ref, shares, lim)
 
         # A few at a time: the daemon overlaps them (with vfs, each copies the image)
         with ThreadPoolExecutor(max_workers=4) as pool:

@@ -2,6 +2,7 @@
 
 The pure parts (cgroup paths, the entry command, limits, the topology field) run anywhere; the
 wiring runs as root with Debian's docker.io (scripts/bootstrap.sh installs it)."""
+import hashlib
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed import containers
+from testbed import containers, node_image
 from testbed.cleanup import clean, find_leftovers
 from testbed.topology import ContainerLimitsSpec, LimitsSpec, TopologyError, load_topology
 from tests.conftest import REPO, dualpath, is_root
@@ -65,28 +66,83 @@ def test_the_docker_client_never_follows_the_users_environment(monkeypatch):
 
     def fake_run(argv, **kw):
         seen.update(argv=argv, env=kw["env"])
-        return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 0, b"", b"")
 
     monkeypatch.setenv("DOCKER_HOST", "unix:///run/users-own.sock")
     monkeypatch.setenv("DOCKER_CONTEXT", "theirs")
+    monkeypatch.setenv("DOCKER_BUILDKIT", "1")
     monkeypatch.setattr(containers.subprocess, "run", fake_run)
     containers.docker("ps")
     assert seen["argv"][1:3] == ["-H", f"unix://{containers.SOCKET}"]
-    assert not any(k.startswith("DOCKER_") for k in seen["env"])
+    assert {k: v for k, v in seen["env"].items() if k.startswith("DOCKER_")} == {"DOCKER_BUILDKIT": "0"}  # ours
 
 
 def test_a_failed_image_build_says_why_and_streams_its_steps(monkeypatch, tmp_path):
     script = tmp_path / "build.sh"
     script.write_text('echo "[docker image +0s] debootstrap bookworm"\necho "E: no mirror" >&2\nexit 1\n')
-    monkeypatch.setattr(containers, "IMAGE_SCRIPT", script)
+    monkeypatch.setattr(node_image, "IMAGE_SCRIPT", script)
     seen = []
     with pytest.raises(containers.DockerUnavailableError) as e:
-        containers.ensure_image(progress=seen.append)
+        node_image.ensure_base(progress=seen.append)
     assert seen == ["[docker image +0s] debootstrap bookworm"]
     assert "exit 1" in str(e.value) and "E: no mirror" in str(e.value)
     script.write_text('echo "[docker image +0s] cached: dpt-node:abc"\necho "image dpt-node:abc"\n')
     seen.clear()
-    assert containers.ensure_image(progress=seen.append) == "dpt-node:abc" and seen == []
+    assert node_image.ensure_base(progress=seen.append) == "dpt-node:abc" and seen == []
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+def test_the_project_layer_holds_what_git_would_ship(tmp_path):
+    """Tracked and untracked files, not the ignored ones nor a tracked file deleted in the tree;
+    its tag follows the bytes, the exec bit, a link's target and the parent, not the times."""
+    (tmp_path / "pkg").mkdir()
+    for name, text in (("pkg/a.py", "a = 1\n"), ("gone.py", ""), (".gitignore", "/build/\n*.pyc\n")):
+        (tmp_path / name).write_text(text)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "x")
+    (tmp_path / "gone.py").unlink()
+    (tmp_path / "new.py").write_text("")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "big.bin").write_bytes(bytes(10))
+    (tmp_path / "pkg" / "a.pyc").write_bytes(b"")
+    (tmp_path / "link").symlink_to("pkg/a.py")
+    files = node_image.project_files(tmp_path)
+    assert files == [".gitignore", "link", "new.py", "pkg/a.py"]
+    tag = node_image.tree_tag(tmp_path, files, "dpt-node:1")
+    os.utime(tmp_path / "pkg" / "a.py", (1, 1))
+    assert node_image.tree_tag(tmp_path, files, "dpt-node:1") == tag  # times are not content
+    assert node_image.tree_tag(tmp_path, files, "dpt-node:2") != tag
+    changes = [lambda: (tmp_path / "pkg" / "a.py").write_text("a = 2\n"),
+               lambda: (tmp_path / "pkg" / "a.py").chmod(0o755),
+               lambda: ((tmp_path / "link").unlink(), (tmp_path / "link").symlink_to("new.py"))]
+    seen = {tag}
+    for change in changes:
+        change()
+        seen.add(node_image.tree_tag(tmp_path, files, "dpt-node:1"))
+    assert len(seen) == 1 + len(changes)
+    assert node_image.project_files(Path("/proc")) is None  # not a work tree: the image binds it instead
+
+
+def test_the_venv_layer_follows_what_is_installed(tmp_path):
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (tmp_path / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (site / "torch-2.5.1.dist-info").mkdir()
+    (site / "torch").mkdir()
+    (site / "__editable__.x.pth").write_text("/work/a\n")
+    tag = node_image.venv_tag(tmp_path, "dpt-node:1")
+    (site / "torch" / "x.py").write_text("")  # a package's own files: the dist-info names its version
+    assert node_image.venv_tag(tmp_path, "dpt-node:1") == tag
+    (site / "__editable__.x.pth").write_text("/work/b\n")  # the editable install now points elsewhere
+    tag2 = node_image.venv_tag(tmp_path, "dpt-node:1")
+    (site / "torch-2.5.1.dist-info").rename(site / "torch-2.6.0.dist-info")
+    tag3 = node_image.venv_tag(tmp_path, "dpt-node:1")
+    assert len({tag, tag2, tag3, node_image.venv_tag(tmp_path, "dpt-node:2")}) == 4
 
 
 @pytest.mark.parametrize("text, field", [
@@ -154,6 +210,11 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
         assert int(out[1]) >= 3  # in the container's cgroups (cpu, memory, ...), not the host's
         assert out[2] == "False"  # the image's file system, not the host's (which has iperf3)
         assert (tmp_path / "from-p0e0").read_text() == "x"  # a share is the host's folder
+        # the checkout and the venv are the image's copies (no bind mount), byte for byte
+        out = _in(fab, "dpt-d0", "import hashlib, dualpath.naming as f; "
+                                 f"print(sum(l.split()[4].startswith('{REPO}') for l in open('/proc/self/mountinfo'))); "
+                                 "print(hashlib.sha256(open(f.__file__, 'rb').read()).hexdigest())").split()
+        assert out == ["0", hashlib.sha256((REPO / "dualpath" / "naming.py").read_bytes()).hexdigest()]
         cid = containers.docker("inspect", "--format", "{{.Id}}", "dpt-p0e0").strip()
         assert Path(f"/sys/fs/cgroup/cpu{containers.CGROUP_PARENT}/{cid}/cpu.cfs_quota_us").read_text().strip() == "50000"
         assert int(Path(f"/sys/fs/cgroup/memory{containers.CGROUP_PARENT}/{cid}/memory.limit_in_bytes").read_text()) == 1 << 30
@@ -180,11 +241,43 @@ def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
 
 
 @needs_docker
+def test_a_layer_carries_its_files_at_their_own_path(no_leftovers, tmp_path):
+    """A project layer built from a small tree: in a container its files are at the tree's own
+    path with their bytes, exec bits and links (no bind mount); built once, then cached."""
+    tree = tmp_path / "tree"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "bin" / "run").write_text("#!/bin/sh\necho ran\n")
+    (tree / "bin" / "run").chmod(0o755)
+    (tree / "data.txt").write_text("payload\n")
+    (tree / "bin" / "link").symlink_to("../data.txt")
+    files = ["bin/link", "bin/run", "data.txt"]
+    seen: list[str] = []
+    containers.start_daemon()
+    try:
+        base = node_image.ensure_base()
+        ref = node_image._layer(base, "dpt-node-test", node_image.tree_tag(tree, files, base), tree, files, seen.append)
+        assert any("building dpt-node-test:" in s for s in seen)
+        seen.clear()
+        assert node_image._layer(base, "dpt-node-test", node_image.tree_tag(tree, files, base), tree, files,
+                                 seen.append) == ref and seen == []  # cached
+        pid = containers.run_container("dpt-t0", ref, [])
+        p = subprocess.run(containers.enter_argv(pid, ["sh", "-c", f"cd {tree} && bin/run && cat bin/link && "
+                                                       f"readlink bin/link && grep -c ' {tree}' /proc/self/mountinfo"]),
+                           capture_output=True, text=True, timeout=60)
+        assert p.stdout.split() == ["ran", "payload", "../data.txt", "0"], p.stderr
+    finally:
+        containers.remove_containers()
+        for image_id in containers.docker("images", "--quiet", "dpt-node-test").split():
+            containers.docker("rmi", "--force", image_id, check=False)
+        containers.stop_daemon()
+
+
+@needs_docker
 def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
     """A second dockerd on its own socket and roots, as a user's would be, with DOCKER_HOST
     pointing at it: the testbed's daemon, containers and `dualpath clean` never touch it."""
-    containers.start_daemon()  # the node image, saved from ours, is what their daemon runs too
-    image = containers.ensure_image()
+    containers.start_daemon()  # the Debian layer, saved from ours, is what their daemon runs too
+    image = node_image.ensure_base()
     saved = Path(tempfile.mkdtemp(prefix="dpt-image-", dir="/var/tmp")) / "image.tar"
     containers.docker("save", "--output", str(saved), image, timeout=300)
     containers.stop_daemon()
@@ -212,7 +305,7 @@ def test_a_users_own_docker_daemon_is_left_untouched(no_leftovers):
         os.environ["DOCKER_HOST"] = f"unix://{sock}"  # what a user's shell would hold
         try:
             containers.start_daemon()
-            containers.run_container("dpt-t0", containers.ensure_image(), [])
+            containers.run_container("dpt-t0", node_image.ensure_base(), [])
             assert user.pid not in find_leftovers().docker_daemon
             clean(verbose=False)  # removes ours: container, daemon, mounts
         finally:

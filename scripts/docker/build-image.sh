@@ -1,12 +1,9 @@
 #!/bin/bash
-# Build the node image for `hosts: docker` from Debian packages alone, and load it into the
-# testbed's own Docker daemon (testbed/containers.py starts that daemon; this script is run by it).
+# Build the Debian layer of the node image for `hosts: docker` from Debian packages alone, and
+# load it into the testbed's own Docker daemon (testbed/containers.py starts that daemon;
+# testbed/node_image.py runs this script, then adds the venv and the checkout as layers of their own).
 #   root file system: Debian 12 (bookworm, Python 3.11: the host venv's interpreter) by
 #                     debootstrap --variant=minbase, plus the packages below
-#   the project and its venv are not copied in: every container bind-mounts the checkout (and
-#   its .venv) read-only at the same path. The image stays small (under 200 MB) because where
-#   the daemon falls back to the vfs storage driver each container copies it whole, and the
-#   venv is over 1 GB.
 # usage: scripts/docker/build-image.sh DOCKER_SOCKET [--force]        (as root)
 # Cached and idempotent: the image's tag is a hash of this script; it is built only if the
 # daemon lacks that tag. Pinned: the suite is fixed, and the image's package versions are written
@@ -16,7 +13,7 @@ HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 SOCK=${1:?usage: $0 DOCKER_SOCKET [--force]}; FORCE=0; [ "${2:-}" = --force ] && FORCE=1
 [ "$(id -u)" -eq 0 ] || { echo "docker image: must run as root (debootstrap)" >&2; exit 1; }
 SUITE=bookworm
-# python3: the interpreter the bind-mounted venv points at (/usr/bin/python3); net-tools: the
+# python3: the interpreter the venv points at (/usr/bin/python3); net-tools: the
 # ifconfig with which Mininet brings up the interfaces it moved in (its shell runs inside); the
 # rest is what a node process and a person debugging one need (ip, ps, ping).
 PACKAGES=python3,libstdc++6,net-tools,iproute2,procps,iputils-ping
@@ -37,7 +34,7 @@ if [ $FORCE = 1 ] || [ ! -s "$TAR" ]; then
   debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$W/r" "$MIRROR" > "$OUT/debootstrap.log" 2>&1 \
     || { tail -20 "$OUT/debootstrap.log" >&2; exit 1; }
   chroot "$W/r" dpkg-query -W -f '${Package} ${Version}\n' > "$OUT/manifest-$TAG.txt"
-  # Each container copies the image whole (vfs): leave out what no node reads.
+  # Leave out what no node reads (under vfs, each container copies the image whole).
   rm -rf "$W/r/var/cache/apt/archives/"*.deb "$W/r/var/lib/apt/lists/"* "$W/r/usr/share/doc" \
          "$W/r/usr/share/man" "$W/r/usr/share/locale" "$W/r/usr/share/info"
   tar -C "$W/r" --numeric-owner -cf "$TAR.tmp" . && mv "$TAR.tmp" "$TAR"
