@@ -15,14 +15,17 @@ def _logs(n: int, s: float, tokens: int, jitter: float = 0.0) -> list[dict]:
              "received": 2000 * tokens} for i in range(n)]
 
 
-def _build(tmp_path, slow_off: float = 5.0, on: float = 1.02, kv_on: float = 0.97, faithful: bool = True):
+def _build(tmp_path, slow_off: float = 5.0, on: float = 1.02, kv_on: float = 0.97, faithful: bool = True,
+           tokens: dict | None = None):
+    """`tokens`: a condition's prefill collectives' size (default 100 tokens in every condition)."""
     cfg = iso.config(True)
     f = RunFolder(tmp_path / "run", dilation=K, topology=iso.TOPOLOGY)
     factor = {"idle": 1.0, "qos_on": on, "qos_off": slow_off}
     for cond in iso.CONDITIONS:
         x = factor[cond]
         passes = [{"pe": f"p{j % 2}", "t_start": 10.0 * j, "t_end": 10.0 * j + 8 * (0.1 + 0.01 * x),
-                   "timing": {"collective_log": _logs(8, 0.01 * x, 100, 0.1)}} for j in range(30)]
+                   "timing": {"collective_log": _logs(8, 0.01 * x * (tokens or {}).get(cond, 100) / 100,
+                                                      (tokens or {}).get(cond, 100), 0.1)}} for j in range(30)]
         steps = [{"de": f"d{j % 2}", "t_start": 5.0 * j, "t_end": 5.0 * j + 0.5 + 8 * 0.001 * x,
                   "collective_log": _logs(8, 0.001 * x, 8, 0.1)} for j in range(30)]
         records = [{"request": f"r{i}", "ttft_s": 1.0 * (0.5 + 0.5 * x), "tpot_s": 0.03 * (0.6 + 0.4 * x)}
@@ -78,3 +81,28 @@ def test_a_shortfall_is_reported_not_hidden(tmp_path):
     assert not chk["kv_throughput"]["ok"] and not chk["all_faithful"]
     report = (out / "report.md").read_text()
     assert "NOT MET: QoS on keeps collective p99 within 1.1x idle" in report and "NOT FAITHFUL" in report
+
+
+def test_matched_collectives_keeps_the_sizes_every_condition_ran_as_often_as_the_fewest():
+    def row(role, tokens, t, s=0.01):
+        return {"role": role, "tokens": tokens, "t": t, "s": s}
+
+    rows = {"idle": [row("prefill", 100, 3), row("prefill", 100, 1), row("decode", 8, 0), row("prefill", 512, 2)],
+            "qos_on": [row("prefill", 100, 5), row("decode", 8, 1), row("decode", 8, 2), row("prefill", 187, 0)]}
+    m = iso.matched_collectives(rows)
+    assert [(r["role"], r["tokens"], r["t"]) for r in m["idle"]] == [("decode", 8, 0), ("prefill", 100, 1)]
+    assert [(r["role"], r["tokens"], r["t"]) for r in m["qos_on"]] == [("decode", 8, 1), ("prefill", 100, 5)]
+
+
+def test_sizes_one_condition_alone_ran_do_not_count_as_its_slowdown(tmp_path):
+    # QoS on batched bigger (200 tokens: twice the bytes, twice the time) at the same speed per
+    # byte: the pooled p99 doubles, the same-size comparison sees what the links did (x1.02)
+    run, _ = _build(tmp_path, tokens={"qos_on": 200})
+    out, _ = reproduce_id("isolation", quick=True, out_root=tmp_path / "out", run_folders=[run],
+                          progress=lambda _m: None, run_id="x")
+    s = json.loads((out / "summary.json").read_text())
+    assert s["p99_over_idle_all"]["qos_on"] == pytest.approx(2.04, rel=1e-3)
+    assert s["p99_over_idle"]["qos_on"] == pytest.approx(1.02, rel=1e-3)  # the decode collectives: same sizes
+    assert s["conditions"]["qos_on"]["collective"]["n"] == 240 and s["conditions"]["qos_on"]["collective_all"]["n"] == 480
+    assert s["checks"]["collective_p99"]["qos_on_ok"]
+    assert "over the same sizes in every condition" in (out / "report.md").read_text()
