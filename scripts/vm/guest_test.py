@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -129,6 +130,31 @@ def wq_cpumask(mask: str | None) -> Iterator[dict]:
             WQ_CPUMASK.write_text(before + "\n")
 
 
+@contextlib.contextmanager
+def capture(on: bool, out: Path) -> Iterator[dict | None]:
+    """tcpdump on every interface of the root namespace (the bridge ports: a packet is seen as it
+    arrives from its sender's veth and as it leaves for its receiver's), RoCEv2 only, headers
+    only, bounded by count; stopped when the block ends."""
+    if not on:
+        yield None
+        return
+    path = out / "e2e-roce.pcap"
+    proc = subprocess.Popen(["tcpdump", "-i", "any", "-n", "-s", "96", "-c", "4000000", "-w", str(path),
+                             "udp", "port", "4791"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    info: dict = {"file": str(path.relative_to(REPO))}
+    try:
+        time.sleep(2)  # tcpdump is listening before the fabric comes up
+        yield info
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        info["tcpdump"] = " ".join(ln for ln in err.splitlines() if "packets" in ln)
+
+
 def step(name: str, argv: list[str], log_dir: Path, timeout_s: float) -> tuple[int, float, str]:
     print(f"== {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
@@ -173,6 +199,11 @@ def main() -> int:
                     help="confine the kernel's unbound workqueues (rxe's tasks run on one) to these CPUs for the "
                     "e2e step, e.g. 1; restored after it. Tests whether rxe's retries come from reordering "
                     "across CPUs rather than loss")
+    ap.add_argument("--modes", default=E2E_MODES, help=f"the e2e step's modes (default: {E2E_MODES})")
+    ap.add_argument("--capture", action="store_true",
+                    help="capture every RoCEv2 packet's headers (UDP 4791, 96 bytes each) at the bridge ports during "
+                    "e2e into e2e-roce.pcap: each packet as it leaves its sender's veth and as it enters its "
+                    "receiver's, to tell where a queue pair's packets went missing or out of order")
     ap.add_argument("--e2e-timeout", type=float, default=7200, help="seconds (its five modes took 3,600 s under TCG, "
                     "before the recomputation that checks them)")
     args = ap.parse_args()
@@ -245,8 +276,8 @@ def main() -> int:
     # 3. e2e
     if not args.skip_e2e:
         dropped0 = softnet_dropped()
-        with LossSampler() as losses, wq_cpumask(args.wq_cpumask) as mask:
-            rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", E2E_MODES,
+        with LossSampler() as losses, wq_cpumask(args.wq_cpumask) as mask, capture(args.capture, out) as pcap:
+            rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", args.modes,
                                                 "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
                                   logs, args.e2e_timeout)
         summary["wall_s"]["e2e"] = round(wall, 1)
@@ -256,7 +287,7 @@ def main() -> int:
                                    "topology": args.topology, "trajectories": args.trajectories,
                                    "rdma": e.get("rdma"), "transport": e.get("transport"),
                                    "softnet_dropped": softnet_dropped() - dropped0,
-                                   "wq_cpumask": mask,
+                                   "wq_cpumask": mask, "capture": pcap,
                                    "losses": losses.totals(),
                                    "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
         summary["modes"] = {m: {"verification": v.get("verification"), "requests": v.get("requests"),
