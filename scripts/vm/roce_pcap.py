@@ -62,7 +62,10 @@ def resend_runs(reqs: list[dict]) -> list[tuple[int, int]]:
     top = -1
     for i, r in enumerate(reqs):
         if r["psn"] <= top and top - r["psn"] < 1 << 20:  # not a wrap of the 24-bit PSN
-            runs[-1:] = [(runs[-1][0], i)] if runs and runs[-1][1] == i - 1 else runs[-1:] + [(i, i)]
+            if runs and runs[-1][1] == i - 1:
+                runs[-1] = (runs[-1][0], i)
+            else:
+                runs.append((i, i))
         top = max(top, r["psn"])
     return runs
 
@@ -108,8 +111,8 @@ def main() -> None:
               f"{sum(missing.values())} entered the bridge and did not leave it")
         for a, b in runs:
             r, prev = reqs[a], reqs[a - 1]
-            later = [x for x in reqs[:a] if x["psn"] > r["psn"]]
-            in_order = bool(later) and all(x["ipid"] > r["ipid"] for x in later if x["psn"] > r["psn"])
+            overtaken_by = [x for x in reqs[:a] if x["psn"] > r["psn"]]
+            in_order = bool(overtaken_by) and all(x["ipid"] > r["ipid"] for x in overtaken_by)
             built_in_order += in_order
             back = [x for x in rows if x["dir"] == "In" and x["src"] == dst and x["dst"] == src
                     and prev["t"] - 1 <= x["t"] <= r["t"]]
