@@ -14,9 +14,8 @@ pattern (on <= 1.1x idle, off >= 2x idle, at p99 and p50); every condition FAITH
 
 The collectives compared are the same collectives in every condition. A prefill pass's AllToAll
 carries its batch's tokens, and how the scheduler batches requests shifts with small timing
-differences, so one condition's pool holds sizes another lacks (one run: idle's largest batches
-after the 512-token ones had 110 tokens, QoS on's 187), and a pooled p99 then compares different
-transfers. So the checked latencies are over the collectives whose (role, tokens) occurs in all
+differences, so one condition's pool holds sizes another lacks, and a pooled p99 then compares
+different transfers. So the checked latencies are over the collectives whose (role, tokens) occurs in all
 three conditions, each such size taken as often as the condition that ran it least, earliest first.
 The pooled numbers are kept beside them (`collective_all`) and shown in the report.
 """
