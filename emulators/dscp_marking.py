@@ -4,6 +4,13 @@ NIXL/UCX on TCP cannot mark packets, so kv-class agents listen in the kv port ra
 marks that range AF11 in each namespace. Matching both source and destination port covers READ
 responses, which leave from the target's listening port.
 
+Port-based marking is only right between namespaces that reserve the kv range from ephemeral
+ports (the fabric's node namespaces do). The root namespace does not: the conductor's scheduler
+service listens on an OS-chosen port and its RPC clients connect from ephemeral ones, so now and
+then one of its ports is in the kv range, and a node's packets to it would be marked AF11: the
+engine group leaders' CNICs then carry their scheduler traffic in the kv class, over their path
+definitions. So the rules skip packets to `unreserved` addresses: the conductor carries no KV.
+
 The same table counts what each namespace sends per class, by the DS field as it leaves (after
 marking): `model_tx` counts EF (sockets that set IP_TOS to the model class themselves: the
 collectives), `kv_tx` AF11. These counters see every packet whatever HTB does, so they name the
@@ -16,6 +23,7 @@ what the emulated NICs lost, without what a starved receiver's socket buffer dro
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
 from dualpath.naming import PREFIX
 from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
@@ -25,16 +33,21 @@ COUNTERS = {MODEL.name: "model_tx", KV.name: "kv_tx"}  # traffic class -> named 
 RX_COUNTERS = {MODEL.name: "model_rx", KV.name: "kv_rx"}  # the same, received
 
 
-def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE) -> str:
+def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE, unreserved: Sequence[str] = ()) -> str:
+    """The table for one namespace. `unreserved`: addresses of peers whose ports in the range
+    say nothing (they do not reserve it); their packets are left unmarked."""
     lo, hi = port_range
     dscp = KV.dscp
+    skip = ""
+    if unreserved:
+        skip = f"ip daddr != {{ {', '.join(unreserved)} }} "  # the output hook: saddr is our own
     return (
         f"table ip {TABLE} {{\n"
         + "".join(f"  counter {c} {{ }}\n" for c in (*COUNTERS.values(), *RX_COUNTERS.values()))
         + f"  chain mark_out {{\n"
         f"    type filter hook output priority mangle; policy accept;\n"
-        f"    tcp dport {lo}-{hi} ip dscp set {dscp}\n"
-        f"    tcp sport {lo}-{hi} ip dscp set {dscp}\n"
+        f"    {skip}tcp dport {lo}-{hi} ip dscp set {dscp}\n"
+        f"    {skip}tcp sport {lo}-{hi} ip dscp set {dscp}\n"
         f"  }}\n"
         f"  chain count_out {{\n"
         f"    type filter hook postrouting priority 0; policy accept;\n"

@@ -38,7 +38,6 @@ DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
 # The root namespace's own addresses on the two bridges: the conductor's on the compute
 # network (testbed/cluster.py), and one on the storage network so that a store client in
 # the caller's process reaches the storage servers (through their shaped NICs).
-STORAGE_CLIENT_HOST = -2  # index in the storage network, like the conductor's in the compute one
 
 _live: list["Testbed"] = []  # owned testbeds still up, for the atexit safety net
 
@@ -130,7 +129,8 @@ class Testbed:
     def build(self) -> None:
         from testbed.cleanup import find_leftovers
         # Not testbed.cluster: it imports torch (2 s here), which a fabric-only bring-up never needs.
-        from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_NET, Fabric
+        from testbed.fabric import (COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_CLIENT_IP,
+                                    STORAGE_NET, Fabric)
         from testbed.shell import run
 
         left = find_leftovers(exclude_pids={os.getpid()})
@@ -143,7 +143,7 @@ class Testbed:
         shares = (self.run_dir, *((self._checkpoint(),) if self.services else ()))
         self.fabric = Fabric(self.topo, self.transport, shares)  # rdma: an rxe device per namespace
         self.fabric.up()
-        storage_ip = str(STORAGE_NET[STORAGE_CLIENT_HOST])
+        storage_ip = STORAGE_CLIENT_IP
         run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
                                          f"addr replace {storage_ip}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
         self.timings["fabric_s"] = round(time.monotonic() - t0, 3)

@@ -58,6 +58,10 @@ STORAGE_NET = ipaddress.ip_network("10.78.0.0/16")
 # for here, has no such probes; a real loss is still recovered by fast retransmit or the RTO.
 TCP_SYSCTLS = ("net.ipv4.tcp_early_retrans=0",)
 CONDUCTOR_IP = str(COMPUTE_NET[-2])  # on the compute bridge, in the root namespace
+STORAGE_CLIENT_IP = str(STORAGE_NET[-2])  # on the storage bridge, in the root namespace (`dualpath up`)
+# The root namespace does not reserve the kv port range (it is the user's): nftables leaves its
+# packets unmarked whatever their ports (emulators/dscp_marking.py).
+ROOT_IPS = (CONDUCTOR_IP, STORAGE_CLIENT_IP)
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,7 @@ class Fabric:
             run(["ip", "-batch", "-"], ns=ep.name, stdin="\n".join(lines) + "\n")
         run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.nics))
         self.apply_shaping(self.topo.spec.qos)
-        nft = dscp_marking.nft_script()
+        nft = dscp_marking.nft_script(unreserved=ROOT_IPS)
         lo, hi = KV_PORT_RANGE
         for ep in self.endpoints:
             sysctls = list(TCP_SYSCTLS)

@@ -625,3 +625,60 @@ def test_netns_multiclass_bytes_carry_their_class_dscp(class_run):
         assert _about(wire_in[NS_A][cls], exp[(cls, "READ")]), (cls, "arriving in A", got)
         assert _about(htb_out[NS_A][cls], exp[(cls, "WRITE")]), (cls, "HTB class out of A", got)
         assert _about(htb_out[NS_B][cls], exp[(cls, "READ")]), (cls, "HTB class out of B", got)
+
+
+_SERVE_ONCE = """import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(20)
+c, _ = s.accept(); c.sendall(bytes(int(sys.argv[3]))); c.close()
+"""
+_FETCH_FROM_PORT = """import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.settimeout(20)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.connect((sys.argv[3], int(sys.argv[4])))
+n = 0
+while (b := s.recv(65536)):
+    n += len(b)
+print(n)
+"""
+
+
+def _kv_tx_after_fetch(unreserved: tuple[str, ...], size: int) -> tuple[int, int]:
+    """NS_A runs the fabric's marking table; NS_B (a peer that does not reserve the kv range,
+    like the conductor in the root namespace) fetches `size` bytes from a listener in NS_A that
+    is outside the range, from a source port inside it. (kv_tx bytes, bytes fetched)."""
+    lo, _ = KV_PORT_RANGE
+    _sh("ip", "netns", "exec", NS_A, "nft", "delete", "table", "ip", dscp_marking.TABLE, check=False)
+    _nft(NS_A, dscp_marking.nft_script(unreserved=unreserved))
+    server = subprocess.Popen(["ip", "netns", "exec", NS_A, sys.executable, "-c", _SERVE_ONCE, IP_A, "5599",
+                               str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):  # the listener is up
+            if "5599" in _sh("ip", "netns", "exec", NS_A, "ss", "-ltn").stdout:
+                break
+            time.sleep(0.05)
+        got = _sh("ip", "netns", "exec", NS_B, sys.executable, "-c", _FETCH_FROM_PORT, IP_B, str(lo + 7),
+                  IP_A, "5599").stdout
+        server.wait(timeout=20)
+        out = json.loads(_sh("ip", "netns", "exec", NS_A, "nft", "-j", "list", "counters", "table", "ip",
+                             dscp_marking.TABLE).stdout)
+        kv_bytes, _ = dscp_marking.parse_counters(json.dumps(out))[KV.name]
+        return kv_bytes, int(got)
+    finally:
+        server.kill()
+        server.wait()
+        _sh("ip", "netns", "exec", NS_A, "nft", "delete", "table", "ip", dscp_marking.TABLE, check=False)
+
+
+@pytest.mark.root
+def test_kv_range_port_of_an_unreserved_peer_is_not_marked_kv(netns_pair):
+    """The conductor's scheduler service listens on an OS-chosen port in the root namespace,
+    which does not reserve the kv range: a port there says nothing about the class. Against a
+    peer listed as unreserved, a node's replies to its kv-range port leave unmarked; against the
+    same peer not listed (the marking before the fix), they are counted kv."""
+    if shutil.which("nft") is None:
+        pytest.skip("needs nftables (nft)")
+    size = 1 << 20
+    kv, got = _kv_tx_after_fetch((IP_B,), size)
+    assert got == size and kv == 0, f"{kv} bytes marked kv to an unreserved peer"
+    kv, got = _kv_tx_after_fetch((), size)
+    assert got == size and kv >= size, f"only {kv} of {size} bytes marked kv by port alone"
