@@ -58,8 +58,11 @@ def config(p: int, d: int, quick: bool) -> RunConfig:
 
 def plan(quick: bool = False) -> Plan:
     per_node, turns = sizes(quick)
-    sd = (f"P/D sweep over {', '.join(f'{p}P{d}D' for p, d in POINTS)} of {TOPOLOGY} (g = 1 engine per node, "
-          "s = 0.25, B = 100 Gbit/s in paper units, links x0.0008: a CNIC is 80 Mbit/s, an SNIC 20); the demo "
+    spec = config(1, 1, quick).topology_obj().spec
+    sd = (f"P/D sweep over {', '.join(f'{p}P{d}D' for p, d in POINTS)} of {TOPOLOGY} (g = {spec.engines_per_node} "
+          f"engine per node, s = {spec.snic_ratio:g}, B = {spec.cnic_gbps:g} Gbit/s in paper units, links "
+          f"x{spec.scale:g}: a CNIC is {spec.cnic_gbps * spec.scale * 1000:g} Mbit/s, an SNIC "
+          f"{spec.cnic_gbps * spec.snic_ratio * spec.scale * 1000:g}); the demo "
           f"workload with {per_node} agents per node" + (f", turn counts / {turns:g} (quick)" if turns != 1 else "")
           + "; DualPath (the full scheduler) only")
     return Plan(ID, quick, [config(p, d, quick) for p, d in POINTS], scale_down=sd, notes=[
