@@ -1,7 +1,7 @@
 # The two commands of the README. Each installs what it needs first.
 PY := .venv/bin/python
 
-.PHONY: demo test setup clean vm-image vm-test vm-shell vm-guest-test
+.PHONY: demo test setup clean vm-image vm-test vm-smoke vm-shell vm-guest-test
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -21,6 +21,11 @@ vm-image:
 
 vm-test:
 	@bash scripts/vm/vm-test.sh
+
+# The rxe smoke alone: the image built or reused, a boot, and `dualpath check --rdma` inside (one
+# NIXL READ and WRITE over rxe, proven by the rxe counters). CI's Soft-RoCE step.
+vm-smoke:
+	@VM_TEST_ARGS="--skip-bench --skip-e2e" VM_TEST_TIMEOUT=1800 bash scripts/vm/vm-test.sh
 
 vm-shell: vm-image
 	@bash scripts/vm.sh shell
