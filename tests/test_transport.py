@@ -647,7 +647,9 @@ def _kv_tx_after_fetch(unreserved: tuple[str, ...], size: int) -> tuple[int, int
     like the conductor in the root namespace) fetches `size` bytes from a listener in NS_A that
     is outside the range, from a source port inside it. (kv_tx bytes, bytes fetched)."""
     lo, _ = KV_PORT_RANGE
-    _sh("ip", "netns", "exec", NS_A, "nft", "delete", "table", "ip", dscp_marking.TABLE, check=False)
+    # only the fabric's table: check_run's own marking table (module-scoped, its counters
+    # already read) would mark these packets too
+    _sh("ip", "netns", "exec", NS_A, "nft", "flush", "ruleset")
     _nft(NS_A, dscp_marking.nft_script(unreserved=unreserved))
     server = subprocess.Popen(["ip", "netns", "exec", NS_A, sys.executable, "-c", _SERVE_ONCE, IP_A, "5599",
                                str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
