@@ -35,9 +35,6 @@ from testbed import rundir
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = REPO / "topologies"
 DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
-# The root namespace's own addresses on the two bridges: the conductor's on the compute
-# network (testbed/cluster.py), and one on the storage network so that a store client in
-# the caller's process reaches the storage servers (through their shaped NICs).
 
 _live: list["Testbed"] = []  # owned testbeds still up, for the atexit safety net
 
@@ -143,11 +140,12 @@ class Testbed:
         shares = (self.run_dir, *((self._checkpoint(),) if self.services else ()))
         self.fabric = Fabric(self.topo, self.transport, shares)  # rdma: an rxe device per namespace
         self.fabric.up()
-        storage_ip = STORAGE_CLIENT_IP
+        # the root namespace's own addresses: the conductor's, and one through which a store client
+        # in the caller's process reaches the storage servers (through their shaped NICs)
         run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
-                                         f"addr replace {storage_ip}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
+                                         f"addr replace {STORAGE_CLIENT_IP}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
         self.timings["fabric_s"] = round(time.monotonic() - t0, 3)
-        self.state.update(self._fabric_state(CONDUCTOR_IP, storage_ip, [COMPUTE_BRIDGE, STORAGE_BRIDGE]))
+        self.state.update(self._fabric_state(CONDUCTOR_IP, STORAGE_CLIENT_IP, [COMPUTE_BRIDGE, STORAGE_BRIDGE]))
         self.state["phase"] = "fabric"
         rundir.write(self.state, self.run_dir)  # from here `dualpath down` knows what to remove
         if self.services:

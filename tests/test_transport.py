@@ -661,9 +661,9 @@ def _kv_tx_after_fetch(unreserved: tuple[str, ...], size: int) -> tuple[int, int
         got = _sh("ip", "netns", "exec", NS_B, sys.executable, "-c", _FETCH_FROM_PORT, IP_B, str(lo + 7),
                   IP_A, "5599").stdout
         server.wait(timeout=20)
-        out = json.loads(_sh("ip", "netns", "exec", NS_A, "nft", "-j", "list", "counters", "table", "ip",
-                             dscp_marking.TABLE).stdout)
-        kv_bytes, _ = dscp_marking.parse_counters(json.dumps(out))[KV.name]
+        counters = _sh("ip", "netns", "exec", NS_A, "nft", "-j", "list", "counters", "table", "ip",
+                       dscp_marking.TABLE).stdout
+        kv_bytes, _ = dscp_marking.parse_counters(counters)[KV.name]
         return kv_bytes, int(got)
     finally:
         server.kill()
