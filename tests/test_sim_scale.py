@@ -16,6 +16,23 @@ def test_replicas_keep_the_lengths_under_new_ids():
     assert [t.turns for t in rep[6:9]] == [t.turns for t in base]
 
 
+def test_stagger_starts_every_copy_apart_inside_the_window_and_repeats_per_seed():
+    rep = scale.replicate(trajectories(demo_workload(n_trajectories=3), 1.0), 4)
+    st = scale.stagger(rep, 0.02, seed=5)
+    starts = [t.arrival_s for t in st]
+    assert len(set(starts)) == len(st) and all(0 <= a < 0.02 for a in starts)
+    assert [t.turns for t in st] == [t.turns for t in rep]
+    assert starts == [t.arrival_s for t in scale.stagger(rep, 0.02, seed=5)]
+    assert starts[:3] == [t.arrival_s for t in scale.stagger(rep[:3], 0.02, seed=5)]  # a cluster's first agents alike
+
+
+def test_offline_scale_runs_do_not_start_their_copies_in_lockstep(tiny):
+    res, _ = scale.run_one("48p96d", True, progress=lambda s: None)
+    first = [r.t_arrive for r in res.records if r.turn == 0]
+    assert len(first) == 48 and len(set(first)) == 48
+    assert max(first) < scale.START_STAGGER_S
+
+
 @pytest.fixture
 def tiny(monkeypatch):
     monkeypatch.setattr(scale, "AGENTS_PER_PE_NODE", {True: 1, False: 1})
