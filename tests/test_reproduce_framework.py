@@ -105,6 +105,13 @@ def test_estimate_of_the_demo_matches_the_readme():
     assert e["limited_by"]["basic"] == "storage NICs" and e["per_mode_s"]["basic"] > 1.8 * (e["per_mode_s"]["dualpath"] - 2)
 
 
+def test_overridden_topologies_get_a_valid_name_however_many_overrides():
+    c = RunConfig("x", "1p1d-io", ("basic",), WorkloadSpec(),
+                  topology_overrides={"scale": 0.0016, "target": {"gpu": "h800", "model": "deepseek-v3"}})
+    t = c.topology_obj()
+    assert len(t.name) <= 60 and t.name.startswith("1p1d-io-scale0.0016") and t.spec.target.model == "deepseek-v3"
+
+
 def test_workload_knobs():
     base = WorkloadSpec(preset="64K", scale=32, agents=3)
     c = base.config()

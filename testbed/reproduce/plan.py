@@ -154,8 +154,8 @@ class RunConfig:
         raw = yaml.safe_load(path.read_text())
         raw.update(self.topology_overrides)
         if "name" not in self.topology_overrides:
-            raw["name"] = self.topology + "".join(f"-{k}{v}" for k, v in sorted(self.topology_overrides.items())
-                                                  if k != "description").replace("_", "")[:60]
+            tail = "".join(f"-{k}{v}" for k, v in sorted(self.topology_overrides.items()) if k != "description")
+            raw["name"] = (self.topology + re.sub(r"[^A-Za-z0-9.-]", "", tail))[:60]  # the name's alphabet
         return parse_topology(raw, source=f"{path} with {self.topology_overrides}")
 
     def describe(self) -> str:
