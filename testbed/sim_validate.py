@@ -117,6 +117,11 @@ def config_name(run: Run) -> str:
     return run.topology
 
 
+def arrival_seed(run: Run) -> int:
+    """The seed of an online run's Poisson arrivals (its workload seed unless it names one)."""
+    return int((run.summary.get("arrivals") or {}).get("seed", run.summary.get("seed", 0)))
+
+
 # --------------------------------------------------------------------------- 1. compute and host CPU
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -196,7 +201,7 @@ WEIGHTS = {"route": 1.0, "prefill": 1.0, "handover": 1.0, "tpot": 1.0, "writebac
 def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
     cfg = sim_config(topo, run_geometry(run), cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
     wcfg = workload_of_run(run.summary)
-    res = simulate(cfg, trajectories(wcfg, cfg.dilation), modes)
+    res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=run.aps, arrival_seed=arrival_seed(run)), modes)
     summ = summarize(res, cfg, topo, wcfg, "testbed")
     out = {}
     for m, r in res.items():
@@ -272,7 +277,7 @@ def calibrate(run: Run, progress: Callable[[str], None] = print, iterations: int
     final = _sim_stages(topo, run, cal, modes)
     residual_table = {m: {k: (None if final[m].get(k) is None or tgt[m].get(k) in (None, 0)
                               else round(final[m][k] / tgt[m][k] - 1, 4)) for k in WEIGHTS} for m in modes}
-    source = {"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology,
+    source = {"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology, "aps": run.aps or 0.0,
               "dilation": run.dilation, "summary_sha256": digest(run), "modes": modes,
               "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
               "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
@@ -296,9 +301,8 @@ def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = p
     cfg = sim_config(topo, geom, cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
     wcfg = workload_of_run(run.summary)
     aps = run.aps
-    arr_seed = int((run.summary.get("arrivals") or {}).get("seed", run.summary.get("seed", 0)))
     modes = run.modes
-    res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=arr_seed), modes)
+    res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=arrival_seed(run)), modes)
     summ = summarize(res, cfg, topo, wcfg, "testbed")
     held_out = cal.source.get("topology") != run.topology or bool(aps) != bool(cal.source.get("aps"))
     rows = []

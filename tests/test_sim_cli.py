@@ -91,3 +91,18 @@ def test_a_run_made_at_another_dilation_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"dilation 3\.125.*1p1d-io\.yaml now gives.*run it again"):
         sv.run_topology(run)
     assert sv.run_topology(Run(tmp_path, {**summary, "dilation": now})).name == "1p1d-io"
+
+
+def test_calibration_simulates_an_online_run_with_its_arrivals():
+    """Fitting on an online run must simulate its Poisson arrivals, not start every agent at once:
+    the simulated run then lasts at least until its last agent arrived."""
+    from dualpath.workload import poisson_arrivals
+    from emulators.sim.calibration import Calibration
+    from testbed.reproduce.runs import load_run
+
+    run = load_run(REPO / "results" / "e2e" / "online-1p1d-io-1.5aps")
+    assert run.aps == 1.5
+    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json")
+    st = sv._sim_stages(sv.run_topology(run), run, cal, ["basic"])["basic"]
+    last = max(poisson_arrivals(run.summary["trajectories"], run.aps, sv.arrival_seed(run))) * run.dilation
+    assert st["jct"] > last > run.mode("basic")["jct_testbed_s"] * 0.8
