@@ -619,7 +619,12 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
                   f"or docker (one container per namespace)")
         from dataclasses import replace
 
-        t = replace(t, spec=t.spec.model_copy(update={"hosts": hosts}))
+        update: dict = {"hosts": hosts}
+        if hosts != "docker" and t.spec.container_limits is not None:  # the topology's validator refuses both
+            typer.echo(f"note: --hosts {hosts}: the topology's container_limits apply to docker hosts only; "
+                       f"running without them", err=True)
+            update["container_limits"] = None
+        t = replace(t, spec=t.spec.model_copy(update=update))
     if t.spec.hosts == "docker":
         from testbed.containers import DOCKERD
 

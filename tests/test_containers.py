@@ -166,6 +166,14 @@ def test_cli_rejects_an_unknown_hosts_value():
     assert r.returncode == 2 and "--hosts" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_hosts_namespaces_on_a_docker_topology_drops_its_container_limits_and_says_so():
+    docker = TOPO.parent / "1p1d-docker.yaml"
+    assert load_topology(docker).spec.container_limits is not None
+    r = dualpath("run", str(docker), "--hosts", "namespaces", "--modes", "no-such-mode", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "container_limits apply to docker hosts only" in r.stderr and "no-such-mode" in r.stderr
+
+
 # -- live ---------------------------------------------------------------------------------------
 def _docker_topology(limits: ContainerLimitsSpec | None = None):
     t = load_topology(TOPO)
