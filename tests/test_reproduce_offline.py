@@ -123,7 +123,8 @@ def fig9_jct(cfg, mode):
     return {"basic": 100.0 if s == 1 else 50.0, "dualpath": 50.0 if s == 1 else 40.0, "oracle": 30.0}[mode]
 
 
-def test_fig9_speedups_and_their_trend(tmp_path):
+def test_fig9_speedups_and_their_trend(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig9"), "PROJECTION_AGENTS", 2)  # the simulated projection, small
     plan = module("fig9").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig9_jct)
     # the x1 configs of both sides are one run (one digest)
@@ -138,9 +139,22 @@ def test_fig9_speedups_and_their_trend(tmp_path):
     assert h["append x4: DualPath speed-up over Basic (x)"]["testbed"] == pytest.approx(1.25)
     assert h["append x4: DualPath speed-up over Basic (x)"]["paper"] == 1.82
     assert s["speedup_change"] == {"append": pytest.approx(-0.75), "gen": pytest.approx(-0.75)}
+    pj = s["projection"]  # simulated, apart from the testbed's headline rows
+    assert pj["model"] == "deepseek-v3" and pj["agents"] == 2 and pj["append"][0] == pj["gen"][0]
+    for p in pj["append"] + pj["gen"]:
+        assert p["speedup"] == pytest.approx(p["jct_s"]["basic"] / p["jct_s"]["dualpath"]) and p["dilation"] > 20
+    assert "## Projection: the paper's model, simulated" in (out / "report.md").read_text()
 
 
-def test_fig9_unfaithful_when_one_run_is(tmp_path):
+def test_fig9_without_the_calibration_has_no_projection(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig9"), "CALIBRATION", tmp_path / "none.json")
+    runs_for_plan(tmp_path / "runs", module("fig9").plan(True), fig9_jct)
+    out, _ = reproduce_id("fig9", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert summary(out)["projection"] is None and "Projection" not in (out / "report.md").read_text()
+
+
+def test_fig9_unfaithful_when_one_run_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig9"), "PROJECTION_AGENTS", 2)
     plan = module("fig9").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig9_jct, unfaithful={"fig9/genx4"})
     out, _ = reproduce_id("fig9", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
