@@ -11,11 +11,12 @@ paper's trace shape at short lengths), because the simulator's cost grows with r
 groups (every DE group's leader wakes on each routed request, as the testbed's doorbell does).
 Offline, every agent starts at a seeded uniform offset in [0, START_STAGGER_S) target seconds
 (stagger), in every cluster alike. Exact copies started in the same instant stay in lockstep:
-each turn then reaches the scheduler as a burst of `copies` identical requests, which no trace of
-independent agents produces, and requests wait longer on the prefill and decode engines the larger
-the cluster (the bursts grow with it). In lockstep, `dualpath reproduce table3` gave a JCT ratio of 1.197 (at
-e374668), the agents' mean JCT rising with it; 20 ms, about half a prefill pass of the
-demo workload, is enough to break the lockstep while the start stays one burst of work.
+each turn then reaches the scheduler as a burst of `copies` identical requests, which no trace
+of independent agents produces, and requests wait longer on the prefill and decode engines the
+larger the cluster (the bursts grow with it). In lockstep, `dualpath reproduce table3` gave a JCT
+ratio of 1.197 (at e374668), the agents' mean JCT rising with it; 20 ms, about half a prefill
+pass of the demo workload, is enough to break the lockstep while the start stays one burst of
+work.
 Online, 2P4D is offered 60 % of the agents per second it served offline, and 44P88D 22x that.
 """
 from __future__ import annotations
