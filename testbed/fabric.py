@@ -41,7 +41,7 @@ from dualpath.naming import PREFIX
 from dualpath.traffic_classes import KV_PORT_RANGE
 from emulators import dscp_marking
 from emulators.nic import NicShape, htb_batch, unshape_batch
-from testbed.cleanup import kill_processes_in
+from testbed.cleanup import find_leftovers, kill_processes_in
 from testbed.shell import ns_argv, run
 from testbed.topology import Topology
 
@@ -62,6 +62,10 @@ STORAGE_CLIENT_IP = str(STORAGE_NET[-2])  # on the storage bridge, in the root n
 # The root namespace does not reserve the kv port range (it is the user's): nftables leaves its
 # packets unmarked whatever their ports (emulators/dscp_marking.py).
 ROOT_IPS = (CONDUCTOR_IP, STORAGE_CLIENT_IP)
+
+
+class FabricBusy(RuntimeError):
+    """The testbed's names are taken: another testbed is up (or a dead one left them)."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,7 @@ class Fabric:
 
     def up(self) -> "Fabric":
         t0 = time.monotonic()
+        self._refuse_if_taken()
         if self.docker:
             self._start_containers()
         self.net = Mininet(topo=ClusterTopo(endpoints=self.endpoints, container_pids=self.containers or None),
@@ -346,6 +351,17 @@ class Fabric:
         run(["tc", "-batch", "-"], stdin="".join(root_batch))
         self._shaped = True
         self.qos = qos
+
+    def _refuse_if_taken(self) -> None:
+        """Every testbed uses the same names, so a second one would fail half-way through its
+        build, and tearing down that half would remove the first one's bridges (Mininet deletes
+        switches by name). Refuse before anything is made."""
+        left = find_leftovers()
+        taken = left.namespaces + left.bridges + left.links
+        if taken:
+            shown = ", ".join(taken[:4]) + (f" and {len(taken) - 4} more" if len(taken) > 4 else "")
+            raise FabricBusy(f"another testbed is up on this machine ({shown}); `dualpath status` says whose, "
+                             "`dualpath down` stops it, `dualpath clean` removes what a dead one left")
 
     def down(self) -> None:
         """Remove everything up() made. Safe to call twice and after a partial up()."""

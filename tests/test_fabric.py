@@ -10,7 +10,7 @@ import pytest
 from dualpath.naming import PREFIX
 from emulators.nic import parse_class_stats
 from testbed.cleanup import find_leftovers
-from testbed.fabric import Fabric
+from testbed.fabric import Fabric, FabricBusy
 from testbed.shell import run
 from testbed.topology import load_topology
 from tests.conftest import CLI, REPO, dualpath, needs_root
@@ -101,6 +101,19 @@ def test_teardown_runs_when_the_body_raises(no_leftovers):
         with Fabric(load_topology(TOPO)):
             assert not find_leftovers().empty()
             raise RuntimeError("boom")
+    assert find_leftovers().empty()
+
+
+def test_a_second_fabric_is_refused_and_leaves_the_first_intact(no_leftovers):
+    """Same names: building over a live testbed would fail half-way, and the half-built one's
+    teardown would delete the first one's bridges."""
+    with Fabric(load_topology(TOPO)):
+        before = find_leftovers()
+        with pytest.raises(FabricBusy, match="another testbed is up.*dualpath clean"):
+            with Fabric(load_topology(TOPO)):
+                pass
+        after = find_leftovers()
+        assert (after.namespaces, after.bridges, after.links) == (before.namespaces, before.bridges, before.links)
     assert find_leftovers().empty()
 
 
