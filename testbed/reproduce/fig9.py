@@ -126,8 +126,8 @@ def projection() -> dict | None:
                 done[cfg.digest()] = {"scale": sc, "jct_s": j, "speedup": ratio(j["basic"], j["dualpath"]),
                                       "dilation": sc_cfg.dilation, "testbed_s": sum(r.jct_s for r in res.values())}
             out[side].append(done[cfg.digest()])
-    out["testbed_dilation"] = RunConfig("x", TOPOLOGY, ("basic",), WorkloadSpec(),
-                                        topology_overrides=dict(IO_1P1D_OVERRIDES)).topology_obj().dilation(Geometry().kv_bytes_per_token)
+    testbed = RunConfig("x", TOPOLOGY, ("basic",), WorkloadSpec(), topology_overrides=dict(IO_1P1D_OVERRIDES))
+    out["testbed_dilation"] = testbed.topology_obj().dilation(Geometry().kv_bytes_per_token)
     return out
 
 
