@@ -509,8 +509,9 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
                                       "compares); target: the target model's KV at the paper's rates, dilation 1"),
             calibration: Optional[Path] = typer.Option(None, help=f"calibration file (default {SIM_CALIBRATION} "
                                                        "when it exists; none with --units target)"),
-            calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="fit the calibration on this "
-                                                     "FAITHFUL testbed run folder and write it to --calibration"),
+            calibrate: Optional[list[Path]] = typer.Option(None, "--calibrate", help="fit the calibration on this "
+                                                           "FAITHFUL testbed run folder and write it to --calibration; "
+                                                           "repeatable, runs of one topology (offline and online)"),
             validate: bool = typer.Option(False, "--validate", help="compare the simulator with testbed runs "
                                           "(--runs) per configuration and mode"),
             runs: Optional[list[Path]] = typer.Option(None, "--runs", help="with --validate: testbed run folders; "
@@ -528,12 +529,17 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         from testbed.sim_validate import calibrate as fit
 
         try:
-            run = load_run(calibrate)
+            fit_runs = [load_run(p) for p in calibrate]
         except RunError as e:
             _fail(f"sim --calibrate: {e}")
         dest = calibration or SIM_CALIBRATION
-        typer.echo(f"calibrating on {calibrate} ({run.topology}, modes {', '.join(run.modes)})")
-        cal = fit(run, typer.echo, iterations=3 if quick else 8)
+        for p, run in zip(calibrate, fit_runs):
+            typer.echo(f"calibrating on {p} ({run.topology}{f' at {run.aps:g} APS' if run.aps else ''}, "
+                       f"modes {', '.join(run.modes)})")
+        try:
+            cal = fit(fit_runs, typer.echo, iterations=3 if quick else 8)
+        except ValueError as e:
+            _fail(f"sim --calibrate: {e}")
         cal = Calibration(**{**cal.to_dict(), "source": {**cal.source, "command": command,
                                                            "run_command": cal.source.get("command")}})
         cal.save(dest)

@@ -1,22 +1,25 @@
-"""The simulator against the testbed: calibration on one run, validation on others.
+"""The simulator against the testbed: calibration on one configuration, validation on others.
 
-`calibrate(run)` fits every constant the simulator takes from testbed measurements
-(emulators/sim/calibration.py) on one FAITHFUL run folder of every mode, in three steps, each from
-that run alone:
+`calibrate(runs)` fits every constant the simulator takes from testbed measurements
+(emulators/sim/calibration.py) on FAITHFUL run folders of one topology (its offline ladder, and
+an online point beside it: the testbed's control plane costs less per message when requests
+arrive one at a time than in an offline run's bursts, and one latency per message must serve
+both), in three steps:
   1. the testbed model's compute per prefill pass and per decode step (passes.jsonl, steps.jsonl:
      least squares of compute_wall_s on requests and predicted emulated seconds, coefficients
      >= 0), and the host's CPU (the modes' cpu_busy against those engines' compute and the KV
-     bytes over every NIC: least squares over the modes);
+     bytes over every NIC: least squares over every run's modes);
   2. whether the engines' transfers hide behind their layer windows: they do not when a
      layerwise pass costs as much beyond its windows as a basic one (the testbed's NIXL over
-     UCX/TCP moves a transfer only while its engine waits on it);
-  3. the latencies, by Levenberg-Marquardt on the simulator itself: simulate the run's modes and
+     UCX/TCP moves a transfer only while its engine waits on it), judged on the first run with
+     both modes;
+  3. the latencies, by Levenberg-Marquardt on the simulator itself: simulate every run's modes and
      match, per mode, the mean time from arrival to the read (routing), of prefill (from the read's
      end to the first token), from the first token to the second (the P->D hand-over), per token
      after it, and from the last token to the request's end (write-back), plus the mode's JCT and
      TTFT p50, all as relative errors.
-The result is written with the run it came from (path, command, topology, dilation, a digest of
-its summary.json), the residuals and the time the fit took.
+The result is written with the runs it came from (path, command, topology, APS, dilation, a digest
+of each summary.json), the residuals and the time the fit took.
 
 `validate(runs, cal)` simulates each run's configuration (its topology as the file is now, its
 workload, its modes) and compares per mode: JCT, TTFT p50/p99, TPOT p50 (relative errors) and
@@ -145,16 +148,17 @@ def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best / scale
 
 
-def fit_host(run: Run, cores: float) -> dict[str, Any]:
-    """The engines' compute models and the host CPU's coefficients (step 1)."""
-    P = [p for m in run.modes for p in run.passes(m)]
-    S = [s for m in run.modes for s in run.steps(m)]
+def fit_host(runs: Sequence[Run], cores: float) -> dict[str, Any]:
+    """The engines' compute models and the host CPU's coefficients (step 1), over every run's modes."""
+    P = [p for run in runs for m in run.modes for p in run.passes(m)]
+    S = [s for run in runs for m in run.modes for s in run.steps(m)]
     if not P or not S:
-        raise ValueError(f"{run.path}: needs passes.jsonl and steps.jsonl to fit the host's CPU")
+        raise ValueError(f"{', '.join(str(r.path) for r in runs)}: needs passes.jsonl and steps.jsonl to fit the "
+                         "host's CPU")
     pc = _nnls(np.array([[1.0, p["n"], p["predicted_s"]] for p in P]), np.array([p["timing"]["compute_wall_s"] for p in P]))
     sc = _nnls(np.array([[1.0, s["n"], s["emulated_s"]] for s in S]), np.array([s["compute_wall_s"] for s in S]))
     rows, y = [], []
-    for m in run.modes:
+    for run, m in ((run, m) for run in runs for m in run.modes):
         v = run.mode(m)
         T = v["jct_testbed_s"]
         eng = (sum(p["timing"]["compute_wall_s"] for p in run.passes(m)) + sum(s["compute_wall_s"] for s in run.steps(m))) / T
@@ -223,29 +227,44 @@ def _residuals(sim: dict, tgt: dict) -> np.ndarray:
     return np.array(out)
 
 
-def calibrate(run: Run, progress: Callable[[str], None] = print, iterations: int = 8,
+def run_label(run: Run) -> str:
+    """A run's configuration in tables: its topology, and its APS when online."""
+    return config_name(run) + (f"@{run.aps:g}aps" if run.aps else "")
+
+
+def calibrate(runs: Run | Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,
               cores: float | None = None) -> Calibration:
-    """Fit a Calibration on one run folder (see the module docstring)."""
+    """Fit a Calibration on run folders of one topology (see the module docstring)."""
     t_start = time.monotonic()
-    if not run.faithful():
-        raise ValueError(f"{run.path}: not FAITHFUL in every mode ({run.unfaithful()}); no calibration from it")
-    modes = [m for m in run.modes]
-    topo = run_topology(run)
+    runs = [runs] if isinstance(runs, Run) else list(runs)
+    if not runs:
+        raise ValueError("calibration needs at least one testbed run")
+    for run in runs:
+        if not run.faithful():
+            raise ValueError(f"{run.path}: not FAITHFUL in every mode ({run.unfaithful()}); no calibration from it")
+    if len({r.topology for r in runs}) > 1:
+        raise ValueError(f"calibration runs must share one topology (the held-out ones are judged apart), got "
+                         f"{', '.join(sorted({r.topology for r in runs}))}")
     cores = float(cores or os.cpu_count() or 2)
-    host = fit_host(run, cores)
+    host = fit_host(runs, cores)
     host_fit = host.pop("_fit")
-    exposed, io_evidence = exposed_io(run)
+    ladder = next((r for r in runs if {"basic", "layerwise"} <= set(r.modes)), runs[0])
+    exposed, io_evidence = exposed_io(ladder)
     progress(f"  host: {cores:g} cores, busy {host['cpu_base']:.3f} + {host['cpu_per_compute']:.3f} x engine compute "
              f"+ {host['cpu_per_mbps']:.4f} x KV MB/s; engines' transfers {'exposed' if exposed else 'overlapped'}")
-    tgt = _targets(run, modes)
+    fits = [(run, run_topology(run), _targets(run, list(run.modes))) for run in runs]
     x = np.array([INITIAL[k] for k in LATENCIES])
 
     def cal_of(v: np.ndarray) -> Calibration:
         return Calibration(**{k: float(max(0.0, a)) for k, a in zip(LATENCIES, v)}, exposed_io=exposed,
-                           dilation=run.dilation, **host)
+                           dilation=runs[0].dilation, **host)
+
+    def sims(v: np.ndarray) -> list[dict]:
+        c = cal_of(v)
+        return [_sim_stages(topo, run, c, list(tgt)) for run, topo, tgt in fits]
 
     def res_of(v: np.ndarray) -> np.ndarray:
-        return _residuals(_sim_stages(topo, run, cal_of(v), modes), tgt)
+        return np.concatenate([_residuals(sim, tgt) for sim, (_, _, tgt) in zip(sims(v), fits)])
 
     r = res_of(x)
     lam = 1e-2
@@ -274,16 +293,24 @@ def calibrate(run: Run, progress: Callable[[str], None] = print, iterations: int
         if not improved:
             break
     cal = cal_of(x)
-    final = _sim_stages(topo, run, cal, modes)
-    residual_table = {m: {k: (None if final[m].get(k) is None or tgt[m].get(k) in (None, 0)
-                              else round(final[m][k] / tgt[m][k] - 1, 4)) for k in WEIGHTS} for m in modes}
-    source = {"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology, "aps": run.aps or 0.0,
-              "dilation": run.dilation, "summary_sha256": digest(run), "modes": modes,
+    residual_table = {}
+    for final, (run, _, tgt) in zip(sims(x), fits):
+        residual_table[run_label(run)] = {
+            m: {k: (None if final[m].get(k) is None or tgt[m].get(k) in (None, 0) else round(final[m][k] / tgt[m][k] - 1, 4))
+                for k in WEIGHTS} for m in tgt}
+    sources = [{"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology,
+                "aps": run.aps or 0.0, "summary_sha256": digest(run), "modes": list(run.modes)} for run in runs]
+    source = {**sources[0], "runs": sources, "dilation": runs[0].dilation,
               "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
               "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
-              "relative_error_per_mode": residual_table, "host_fit": host_fit, "io_evidence": io_evidence,
+              "relative_error_per_run_and_mode": residual_table, "host_fit": host_fit, "io_evidence": io_evidence,
               "weights": WEIGHTS}
     return Calibration(**{**cal.to_dict(), "source": source})
+
+
+def calibrated_on(cal: Calibration) -> set[tuple[str, bool]]:
+    """The (topology, online) configurations a calibration was fitted on: those rows are not held out."""
+    return {(s.get("topology"), bool(s.get("aps"))) for s in cal.source.get("runs", [cal.source])}
 
 
 # --------------------------------------------------------------------------- validation
@@ -304,7 +331,7 @@ def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = p
     modes = run.modes
     res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=arrival_seed(run)), modes)
     summ = summarize(res, cfg, topo, wcfg, "testbed")
-    held_out = cal.source.get("topology") != run.topology or bool(aps) != bool(cal.source.get("aps"))
+    held_out = (run.topology, bool(aps)) not in calibrated_on(cal)
     rows = []
     for m in modes:
         t, s = run.mode(m), summ["modes"][m]
@@ -313,7 +340,7 @@ def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = p
         t_bal, s_bal = t.get("snic_max_over_avg"), s.get("snic_max_over_avg")
         bal = None if snic_bytes < MIN_SNIC_BYTES or t_bal is None or s_bal is None else round(s_bal - t_bal, 4)
         rows.append({
-            "config": config_name(run) + (f"@{aps:g}aps" if aps else ""), "mode": m, "held_out": held_out,
+            "config": run_label(run), "mode": m, "held_out": held_out,
             "faithful": bool(t.get("faithful")), "run": str(run.path),
             "jct_s": {"testbed": t["jct_s"], "sim": s["jct_s"]}, "jct_err": _rel(s["jct_s"], t["jct_s"]),
             "ttft_p50_s": {"testbed": t["ttft_s"]["p50"], "sim": s["ttft_s"]["p50"]},
@@ -399,9 +426,10 @@ def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any]) -> list[str]:
     src = cal.source
+    fitted = " and ".join(f"`{s.get('run')}` (summary sha256 {s.get('summary_sha256')})" for s in src.get("runs", [src]))
     lines = [f"# dualpath sim --validate", "", f"Produced by `{command}`.", "",
-             f"Calibration: fitted on `{src.get('run')}` ({src.get('topology')}, dilation {src.get('dilation')}, "
-             f"summary sha256 {src.get('summary_sha256')}) by `{src.get('fitted_by')}`; "
+             f"Calibration: fitted on {fitted} ({src.get('topology')}, dilation {src.get('dilation')}) by "
+             f"`{src.get('fitted_by')}`; "
              f"{src.get('simulations')} simulations, rms relative error {src.get('rms_relative_error')}.", "",
              "| config | mode | held out | JCT testbed | JCT sim | JCT err | TTFT p50 err | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

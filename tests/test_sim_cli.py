@@ -106,3 +106,31 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
     st = sv._sim_stages(sv.run_topology(run), run, cal, ["basic"])["basic"]
     last = max(poisson_arrivals(run.summary["trajectories"], run.aps, sv.arrival_seed(run))) * run.dilation
     assert st["jct"] > last > run.mode("basic")["jct_testbed_s"] * 0.8
+
+
+def test_calibration_on_several_runs_holds_out_only_the_other_configurations():
+    """A calibration fitted on 1p1d-io's ladder and its online point: rows of either are not held
+    out, and 1p2d-io's (offline or online) are; a single-run calibration's source still works."""
+    from emulators.sim.calibration import Calibration
+
+    both = Calibration(source={"topology": "1p1d-io", "aps": 0.0, "runs": [
+        {"topology": "1p1d-io", "aps": 0.0}, {"topology": "1p1d-io", "aps": 1.5}]})
+    assert sv.calibrated_on(both) == {("1p1d-io", False), ("1p1d-io", True)}
+    offline_only = Calibration(source={"topology": "1p1d-io", "aps": 0.0})
+    assert sv.calibrated_on(offline_only) == {("1p1d-io", False)}
+    assert ("1p2d-io", False) not in sv.calibrated_on(both)
+
+
+def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
+    """Held-out rows are judged by configuration, so a fit over two topologies would leave none
+    to hold out honestly: refused with both names, before any simulation."""
+    from testbed.reproduce.runs import Run
+
+    def run(topo: str) -> Run:
+        return Run(tmp_path / topo, {"topology": topo, "modes": {"basic": {"faithful": True}}})
+
+    with pytest.raises(ValueError, match=r"share one topology.*1p1d-io, 1p2d-io"):
+        sv.calibrate([run("1p1d-io"), run("1p2d-io")], progress=lambda s: None)
+    unfaithful = Run(tmp_path / "u", {"topology": "1p1d-io", "modes": {"basic": {"faithful": False}}})
+    with pytest.raises(ValueError, match="not FAITHFUL"):
+        sv.calibrate([run("1p1d-io"), unfaithful], progress=lambda s: None)

@@ -30,9 +30,9 @@ cpu_per_mbps x KV MB per second over all NICs), the engines' compute from their 
 pass_cpu = (s, per request, per predicted emulated second); a decode step: step_cpu likewise).
 cpu_cores = 0 turns the host off: a projected cluster has no testbed host.
 
-A Calibration is written by `dualpath sim --calibrate RUN` with the run folder it was fitted on
-(path, command, topology, dilation, digest of its summary) and the fit's own residuals; it is
-never typed in. Its times are real seconds, as the testbed's processes spent them (testbed
+A Calibration is written by `dualpath sim --calibrate RUN [--calibrate RUN ...]` with the run
+folders it was fitted on (path, command, topology, APS, digest of each summary; the dilation) and
+the fit's own residuals; it is never typed in. Its times are real seconds, as the testbed's processes spent them (testbed
 seconds): the same in a simulation of any testbed configuration, whatever its dilation, and kept
 as they are in a simulation in the target's own time (what this software stack would cost
 beside a real cluster's GPUs).
