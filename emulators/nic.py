@@ -33,7 +33,8 @@ class NicShape:
     mtu: int = 1500
 
 
-def _burst_bytes(rate_bps: int, mtu: int) -> int:
+def burst_bytes(rate_bps: int, mtu: int) -> int:
+    """HTB's bucket (burst and cburst) for a class shaped at `rate_bps`, wire bytes."""
     # Veths hand HTB GSO segments of up to 64 KiB; a bucket smaller than one
     # segment makes HTB undershoot its rate. 1 ms of line rate, at least 64 KiB.
     return max(rate_bps // 8 // 1000, 64 * 1024 + mtu)
@@ -60,7 +61,7 @@ def unshape_batch(dev: str) -> str:
 def htb_batch(shape: NicShape) -> str:
     """The `tc -batch` script that shapes one (unshaped) device."""
     d, r = shape.dev, shape.rate_bps
-    burst = _burst_bytes(r, shape.mtu)
+    burst = burst_bytes(r, shape.mtu)
     queue = _queue_bytes(r)
     lines = [
         f"qdisc add dev {d} root handle 1: htb default {FIFO_CLASS.split(':')[1]} r2q 100",

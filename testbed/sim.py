@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
 from dualpath.workload import WorkloadConfig, demo_workload, generate_lengths, poisson_arrivals
+from emulators.nic import burst_bytes
 from emulators.sim.calibration import UNCALIBRATED, Calibration
 from emulators.sim.cluster import ClusterSim, SimConfig, SimResult, TrajectorySpec
 from testbed.fidelity import payload_share
@@ -78,7 +79,17 @@ def sim_config(topo: Topology, geom: Geometry = Geometry(), units: str = "testbe
         dilation=dilation, prefill_cost=tgt.prefill_cost(), decode_cost=tgt.decode_cost(), profile=profile,
         alpha_s=PAPER_ALPHA_S * dilation, beta_s=PAPER_BETA_S, quota_s=quota_s,
         hbm_tokens=int(s.hbm_gib_per_engine * gib) // geom.kv_bytes_per_token,
-        buffer_bytes=int(s.dram_buffer_gib * gib), calibration=cal, pe_groups=pe_groups)
+        buffer_bytes=int(s.dram_buffer_gib * gib), calibration=cal, pe_groups=pe_groups,
+        buckets=_htb_buckets(topo) if units == "testbed" else {})
+
+
+def _htb_buckets(topo: Topology) -> dict[str, float]:
+    """The payload bytes of each shaped NIC kind's HTB bucket, as emulators/nic.py sets them."""
+    mtu = topo.spec.mtu
+    pay = payload_share(mtu)
+    return {kind: burst_bytes(int(bps), mtu) * pay for kind, bps in
+            (("snic", topo.snic_bps), ("cnic", topo.cnic_bps), ("host_port", topo.host_port_bps),
+             ("storage_nic", topo.storage_nic_bps))}
 
 
 def trajectories(wcfg: WorkloadConfig, dilation: float, aps: float | None = None,

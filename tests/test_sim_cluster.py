@@ -184,3 +184,44 @@ def test_latencies_lengthen_the_run():
     a = simulate(cfg0, trajs, ["dualpath"])["dualpath"].jct_s
     b = simulate(cfg1, trajs, ["dualpath"])["dualpath"].jct_s
     assert b > a
+
+
+def test_an_idle_shaped_link_sends_its_htb_bucket_at_once_and_refills_at_its_rate():
+    """emulators/nic.py gives every shaped NIC an HTB bucket: after a pause, a flow's first bytes
+    (up to the bucket) leave at line rate and the rest at the link's rate. Hand-solved on one SNIC
+    of 1000 B/s with a 300 B bucket: 1000 B take 0.7 s; right after, 1000 B take 1 s (empty
+    bucket); 0.1 s later, 100 B of tokens make it 0.9 s; a flow within the bucket takes no time;
+    a flow that starts while another is on the link gets nothing from it."""
+    topo = load_topology(ROOT / "topologies" / "1p1d.yaml")
+    cfg = sim_config(topo, cal=UNCALIBRATED)
+    assert cfg.buckets and sim_config(topo, cal=UNCALIBRATED, units="target").buckets == {}
+    cfg = cfg.__class__(**{**cfg.__dict__, "buckets": {"snic": 300.0}})
+    sim = sim_cluster.ClusterSim(cfg, "dualpath", "layerwise", "shorter", [])
+    link = sim.shaped(Link("snic", 1000 * B, qos=False), "snic")
+    link_other = Link("unshaped", 1000 * B)
+    env, took = sim.env, []
+
+    def one(nbytes, path=(link,)):
+        t = env.now
+        yield sim._flow(list(path), nbytes)
+        took.append(round(env.now - t, 9))
+
+    def script():
+        yield from one(1000)  # full bucket: 700 B at 1000 B/s
+        yield from one(1000)  # empty bucket
+        yield env.timeout(0.1)
+        yield from one(1000)  # 100 B refilled
+        yield env.timeout(1.0)
+        yield from one(250)  # within the full bucket
+        yield from one(200, (link, link_other))  # 50 B left, and an unshaped hop takes none
+        first = env.process(one(1000))
+        yield env.timeout(0.5)
+        yield env.process(one(100))  # the link is busy: no burst, it shares the link at 500 B/s
+        yield first
+
+    env.process(script())
+    env.run()
+    assert took[:5] == [0.7, 1.0, 0.9, 0.0, 0.15]
+    assert took[5] == pytest.approx(0.2)  # 100 B at half the link
+    # every byte is counted on the link, burst or not
+    assert sim.net.net.delivered[link] == pytest.approx(1000 * 3 + 250 + 200 + 1000 + 100)

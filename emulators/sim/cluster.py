@@ -14,7 +14,10 @@ What runs is the testbed's own code where the testbed has it:
   * every byte moves as a flow over the hops of `dualpath.accounting` (PE and DE path, split,
     chunk re-reads, write-back) on the max-min link model of flows.py (network.py), a storage
     NIC per node fed by the node's FIFO read queue (dualpath/nodes/read_queue.py), a server per
-    storage host with its NIC and disk.
+    storage host with its NIC and disk; in a testbed configuration every shaped NIC keeps the
+    HTB bucket emulators/nic.py gives it, so a flow that finds its links idle sends its first
+    bytes at once (up to a bucket: 64 KiB and an MTU, or 1 ms of the link) and the rest at the
+    link's rate.
 What it models: time. A prefill pass computes layer by layer: layer l + 1's KV is READ while layer
 l computes (layerwise; basic reads every layer first), so a pass whose reads take L * d lasts
 min(d, w) + L * max(d, w) for windows of w; every layer's KV is written toward the DE buffer as it
@@ -82,6 +85,9 @@ class SimConfig:
     calibration: Calibration = field(default_factory=Calibration)
     pe_groups: str = "one"  # "one": every PE in one group (the testbed's); "node": a group per node
     node_prefix: str = "dpt-"
+    # HTB's token bucket per shaped NIC kind (snic, cnic, host_port, storage_nic), payload bytes:
+    # an idle link's first bytes leave at line rate. Empty: no buckets (the target's own NICs).
+    buckets: dict[str, float] = field(default_factory=dict)
 
     @property
     def full_block_bytes(self) -> int:
@@ -217,10 +223,10 @@ class _Host:
         cfg = sim.cfg
         self.name = name
         q = cfg.qos
-        self.snic_rx = Link(f"{name}/snic/rx", cfg.snic_bps, qos=False)
-        self.snic_tx = Link(f"{name}/snic/tx", cfg.snic_bps, qos=False)
-        self.host_rx = Link(f"{name}/host_port/rx", cfg.host_port_bps, qos=q)
-        self.host_tx = Link(f"{name}/host_port/tx", cfg.host_port_bps, qos=q)
+        self.snic_rx = sim.shaped(Link(f"{name}/snic/rx", cfg.snic_bps, qos=False), "snic")
+        self.snic_tx = sim.shaped(Link(f"{name}/snic/tx", cfg.snic_bps, qos=False), "snic")
+        self.host_rx = sim.shaped(Link(f"{name}/host_port/rx", cfg.host_port_bps, qos=q), "host_port")
+        self.host_tx = sim.shaped(Link(f"{name}/host_port/tx", cfg.host_port_bps, qos=q), "host_port")
         self.buffer = simpy.Container(sim.env, capacity=cfg.buffer_bytes, init=cfg.buffer_bytes)
         self.read_q = 0  # bytes of loads accepted and not finished (the node's read_q)
         self.loads: deque = deque()
@@ -229,10 +235,10 @@ class _Host:
 
 
 class _Engine:
-    def __init__(self, name: str, node: _Host, role: Role, group: str, cfg: SimConfig):
+    def __init__(self, sim: "ClusterSim", name: str, node: _Host, role: Role, group: str, cfg: SimConfig):
         self.name, self.node, self.role, self.group = name, node, role, group
-        self.cnic_rx = Link(f"{name}/cnic/rx", cfg.cnic_bps, qos=cfg.qos)
-        self.cnic_tx = Link(f"{name}/cnic/tx", cfg.cnic_bps, qos=cfg.qos)
+        self.cnic_rx = sim.shaped(Link(f"{name}/cnic/rx", cfg.cnic_bps, qos=cfg.qos), "cnic")
+        self.cnic_tx = sim.shaped(Link(f"{name}/cnic/tx", cfg.cnic_bps, qos=cfg.qos), "cnic")
         self.load = EngineLoad(cfg.hbm_tokens if role is Role.DECODE else 0)
 
 
@@ -394,6 +400,8 @@ class ClusterSim:
                                clock=lambda: self.env.now)
         self.sched_s = 0.0  # wall seconds inside the scheduler (its decision cost)
         self.sched_calls = 0
+        self._bucket: dict[Link, float] = {}  # a shaped link's HTB bucket, payload bytes
+        self._tokens: dict[Link, tuple[float, float]] = {}  # (tokens, since) of an idle bucketed link
         p = cfg.node_prefix
         self.hosts: dict[str, _Host] = {}
         self.engines: dict[str, _Engine] = {}
@@ -404,12 +412,12 @@ class ClusterSim:
                 h = self.hosts[node] = _Host(self, node)
                 group = ("pe" if cfg.pe_groups == "one" else f"pe-{node}") if role is Role.PREFILL else f"de-{node}"
                 for e in range(cfg.engines_per_node):
-                    eng = _Engine(f"{node}e{e}", h, role, group, cfg)
+                    eng = _Engine(self, f"{node}e{e}", h, role, group, cfg)
                     self.engines[eng.name] = eng
                     self.groups.setdefault(group, []).append(eng)
         self.decoders = {n: _DecodeEngine(self, e) for n, e in self.engines.items() if e.role is Role.DECODE}
-        self.storage = [(Link(f"storage{s}/nic/tx", cfg.storage_nic_bps, qos=False),
-                         Link(f"storage{s}/nic/rx", cfg.storage_nic_bps, qos=False),
+        self.storage = [(self.shaped(Link(f"storage{s}/nic/tx", cfg.storage_nic_bps, qos=False), "storage_nic"),
+                         self.shaped(Link(f"storage{s}/nic/rx", cfg.storage_nic_bps, qos=False), "storage_nic"),
                          Link(f"storage{s}/disk", cfg.disk_bps, qos=False)) for s in range(cfg.storage_servers)]
         # Storage links that can never be full are left out of the flows (exactly: max-min rates
         # do not change): all servers' NICs (or disks) together at least every SNIC together.
@@ -494,9 +502,48 @@ class ClusterSim:
         """A latency of the testbed's software, stretched by its host's CPU load now."""
         return self.env.timeout(seconds * self.cpu.factor(self.env.now))
 
+    def shaped(self, link: Link, kind: str) -> Link:
+        """`link`, with the HTB bucket of its NIC kind when the config has one."""
+        b = self.cfg.buckets.get(kind, 0.0)
+        if b > 0:
+            self._bucket[link] = b
+            self._tokens[link] = (b, 0.0)  # full: idle since before the run
+        return link
+
     def _flow(self, path, nbytes):
         self.cpu.add(self.env.now, nbytes=2 * nbytes)  # a hop: its source NIC sends, its destination receives
-        return self.net.transfer(path, nbytes)
+        if not self._bucket:
+            return self.net.transfer(path, nbytes)
+        rest = nbytes - self._burst(path, nbytes)
+        if rest < nbytes:  # the burst crossed every link of the path at once: count it there
+            d = self.net.net.delivered
+            for l in path:
+                d[l] = d.get(l, 0.0) + (nbytes - rest)
+        ev = self.net.transfer(path, rest)
+        if rest > 0:
+            ev.callbacks.append(lambda _ev: self._idle(path))
+        return ev
+
+    def _burst(self, path, nbytes: float) -> float:
+        """HTB's burst: bytes of a new flow that leave at once, as many as every shaped link on its
+        path holds tokens for. A link refills at its rate while it carries nothing, up to its
+        bucket; a link that carries a flow has none to spare (it sends at its rate)."""
+        now, busy = self.env.now, self.net.net.flows_on
+        shaped = [l for l in path if l in self._bucket]
+        if not shaped or any(busy(l) for l in shaped):
+            return 0.0
+        have = {l: min(self._bucket[l], tok + (now - since) * l.capacity_bps / 8)
+                for l, (tok, since) in ((l, self._tokens[l]) for l in shaped)}
+        free = min(nbytes, *have.values())
+        for l, h in have.items():
+            self._tokens[l] = (h - free, now)
+        return free
+
+    def _idle(self, path) -> None:
+        """A flow over `path` ended: a shaped link it leaves empty starts refilling, from empty."""
+        for l in path:
+            if l in self._bucket and not self.net.net.flows_on(l):
+                self._tokens[l] = (0.0, self.env.now)
 
     def _storage_paths(self, node_link: Link, read: bool) -> list[tuple[list[Link], float]]:
         """A load's (or flush's) flows: one per storage server when the storage side can bind

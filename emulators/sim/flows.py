@@ -56,8 +56,9 @@ Assumptions
 Not modelled
 ------------
 Propagation delay and store-and-forward within a path (a path's links carry a flow at the same
-instant), HTB burst/quantum and rate granularity (tc floors class rates to whole bit/s, at least
-8000 bit/s; the model keeps exact fractions), per-flow unfairness of real TCP (RTT bias, BBR
+instant), HTB quantum and rate granularity (tc floors class rates to whole bit/s, at least
+8000 bit/s; the model keeps exact fractions), HTB's burst (the cluster simulation adds it: an idle
+shaped link's bucket, emulators/sim/cluster.py `_burst`), per-flow unfairness of real TCP (RTT bias, BBR
 probing), finite buffers and back-pressure, sender CPU or DRAM limits other than what a link
 stands for (the host port stands for the DRAM side), and the UDP-flood style loss that only
 non-backing-off traffic shows.
