@@ -61,11 +61,15 @@ TOPOLOGY = "1p1d-io"
 # --------------------------------------------------------------------------- the plan
 
 
+def capacity_aps(mode: str) -> float:
+    """The I/O-bound APS of `mode` on the grid's cluster and workload (its storage NICs' rate)."""
+    return io_capacity_aps(RunConfig("probe", TOPOLOGY, MODES, WorkloadSpec(agents=24)), mode)
+
+
 def online_configs(quick: bool) -> list[RunConfig]:
     """The APS grid of figures 10, 11 and 12 left: 1p1d-io, basic and dualpath, the demo's
     agents arriving at fractions of DualPath's I/O-bound capacity (twice basic's on 1P1D)."""
-    probe = RunConfig("probe", TOPOLOGY, MODES, WorkloadSpec(agents=24))
-    cap = io_capacity_aps(probe, "dualpath")
+    cap = capacity_aps("dualpath")
     fractions = (0.3, 0.55, 0.8) if quick else (0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 1.1)
     arrivals_s = 7.0 if quick else 20.0  # emulated seconds of arrivals per run
     out = []
