@@ -134,3 +134,29 @@ def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
     unfaithful = Run(tmp_path / "u", {"topology": "1p1d-io", "modes": {"basic": {"faithful": False}}})
     with pytest.raises(ValueError, match="not FAITHFUL"):
         sv.calibrate([run("1p1d-io"), unfaithful], progress=lambda s: None)
+
+
+def test_a_median_between_two_modes_is_named_in_the_report():
+    """Round-robin's TTFTs are two modes of equal size (PE-side and DE-side reads): the median falls
+    in the gap, where one request moves it. The row keeps its error (the targets still judge it) and
+    the report names the gap with the quantiles around it; a unimodal row gets no such line."""
+    from emulators.sim.calibration import Calibration
+
+    two_modes = [0.5 + 0.01 * i for i in range(50)] + [1.8 + 0.01 * i for i in range(50)]
+    one_mode = [0.5 + 0.01 * i for i in range(100)]
+    assert sv.median_gap(two_modes)[2] > sv.MEDIAN_GAP > sv.median_gap(one_mode)[2]
+
+    def recs(ts):
+        return [{"error": "", "t_arrive": 1.0, "token_times": [1.0 + t, 9.0]} for t in ts]
+
+    def row(mode, ts):
+        return {"config": "1p2d-io", "mode": mode, "held_out": True, "faithful": True,
+                "jct_s": {"testbed": 8.0, "sim": 8.0}, "jct_err": 0.0, "ttft_p50_err": 0.4 if ts is two_modes else 0.0,
+                "ttft_p99_err": 0.0, "tpot_p50_err": 0.0, "snic_max_over_avg": {"testbed": 1.5, "sim": 1.5},
+                "snic_balance_diff": 0.0, **sv._median_modes(recs(ts), recs(ts), 1.0)}
+
+    rows = [row("dualpath-rr", two_modes), row("basic", one_mode)]
+    assert [r["ttft_p50_between_modes"] for r in rows] == [True, False]
+    text = "\n".join(sv.report_lines("cmd", Calibration(source={"run": "r"}), rows, sv.aggregate(rows)))
+    assert "1p2d-io dualpath-rr: its testbed TTFT median lies between two modes (p45 0.946 s, p55 1.84 s" in text
+    assert "1p2d-io basic:" not in text and "NOT met" in text
