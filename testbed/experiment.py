@@ -33,7 +33,7 @@ from dualpath.control import ControlError
 from testbed.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import Monitor
-from testbed.paths import REPO, shown_path
+from testbed.paths import REPO, code_version, shown_path
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 from testbed.scheduling import STALE_AFTER_S, ServiceRouter
@@ -626,7 +626,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "first_turn_tokens": workload.config.first_append_len,
                     "transport": results[0].transport if results else transport, "device": device,
                     "hosts": spec.hosts, "fabric_s": {k: round(v, 2) for k, v in fab.timings.items()},
-                    "workload": workload.config.to_dict(), **(extra or {})})
+                    "workload": workload.config.to_dict(), "code": code_version(), **(extra or {})})
     conv = conversation(results, checkpoint, workload)
     if conv:
         summary["conversation"] = conv

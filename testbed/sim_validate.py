@@ -453,7 +453,24 @@ def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
     return plots.save(fig, path)
 
 
-def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any]) -> list[str]:
+def code_lines(codes: dict[str, dict[str, Any] | None]) -> list[str]:
+    """What the report says about the code each testbed run was made on (summary.json's `code`)."""
+    known = {p: c for p, c in codes.items() if c}
+    if not known:
+        return ["Code: no run records the commit it was made on (made before runs recorded it)."]
+    commits = sorted({c["commit"] for c in known.values()})
+    lines = ["Code: " + "; ".join(f"`{p}` {c['commit'][:12]}{' (dirty)' if c.get('dirty') else ''}"
+                                  for p, c in known.items())
+             + (f"; {len(codes) - len(known)} run(s) record none" if len(known) < len(codes) else "") + "."]
+    if len(commits) > 1 or any(c.get("dirty") for c in known.values()):
+        lines.append(f"WARNING: the runs come from {len(commits)} commit(s){' and uncommitted changes' if any(c.get('dirty') for c in known.values()) else ''}: "
+                     "a run made on other code measures another testbed (`git diff` between them, under dualpath/ "
+                     "and emulators/, shows what changed); re-make the older runs before trusting the errors.")
+    return lines
+
+
+def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any],
+                 codes: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
     src = cal.source
     fitted = " and ".join(f"`{s.get('run')}` (summary sha256 {s.get('summary_sha256')})" for s in src.get("runs", [src]))
     lines = [f"# dualpath sim --validate", "", f"Produced by `{command}`.", "",
@@ -473,6 +490,8 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
                   f"max difference {agg['max_snic_balance_diff']}. Every testbed run FAITHFUL: {agg['all_faithful']}.",
               f"Targets (issue 15): mean JCT <= 2 %, max <= 5 %, TTFT p50 <= 5 %, SNIC max/avg within 0.05: "
               f"{'met' if agg['meets_targets'] else 'NOT met'}.", ""]
+    if codes is not None:
+        lines += code_lines(codes) + [""]
     for r in rows:
         if r.get("ttft_p50_between_modes"):
             q = r["ttft_p45_p55_s"]
@@ -495,9 +514,10 @@ def validate_to_folder(runs: Sequence[Run], cal: Calibration, folder: Path, comm
         rows += validate_run(run, cal, progress)
     agg = aggregate(rows)
     folder.mkdir(parents=True, exist_ok=True)
+    codes = {str(r.path): r.summary.get("code") for r in runs}
     summary = {"command": command, "faithful": agg["all_faithful"], "validation": rows, **agg,
-               "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs]}
+               "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs], "run_code": codes}
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     scatter(rows, folder / "scatter.png")
-    (folder / "report.md").write_text("\n".join(report_lines(command, cal, rows, agg)) + "\n")
+    (folder / "report.md").write_text("\n".join(report_lines(command, cal, rows, agg, codes)) + "\n")
     return folder, agg

@@ -31,6 +31,7 @@ def test_records_carry_the_text_of_every_request(text_ckpt, tmp_path):
     from dualpath.workload.text import decode, has_chat_template, text_workload
     from testbed.cleanup import clean, find_leftovers
     from testbed.experiment import run_to_folder
+    from testbed.paths import code_version
     from testbed.topology import load_topology
 
     assert has_chat_template(text_ckpt)
@@ -42,6 +43,7 @@ def test_records_carry_the_text_of_every_request(text_ckpt, tmp_path):
     assert find_leftovers().empty()
     m = summary["modes"]["dualpath"]
     assert m["errors"] == 0 and m["verification"]["all_match"], m["verification"]
+    assert summary["code"] == code_version() and json.loads((run_dir / "summary.json").read_text())["code"] == summary["code"]
     rows = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines()]
     assert len(rows) == sum(t.n_turns for t in wl.trajectories) == m["requests"]
     for row in rows:

@@ -160,3 +160,18 @@ def test_a_median_between_two_modes_is_named_in_the_report():
     text = "\n".join(sv.report_lines("cmd", Calibration(source={"run": "r"}), rows, sv.aggregate(rows)))
     assert "1p2d-io dualpath-rr: its testbed TTFT median lies between two modes (p45 0.946 s, p55 1.84 s" in text
     assert "1p2d-io basic:" not in text and "NOT met" in text
+
+
+def test_the_report_warns_when_the_runs_come_from_different_code():
+    """Validation once compared ladders made before a change to the model with an online run made
+    after it (a pass's compute differed by 2x): the report names each run's commit and warns when
+    they differ or a run was made on uncommitted changes; runs that record none are said to."""
+    a, b = "a" * 40, "b" * 40
+    same = sv.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": a, "dirty": False}})
+    assert len(same) == 1 and "aaaaaaaaaaaa" in same[0]
+    two = sv.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": b, "dirty": False}})
+    assert two[1].startswith("WARNING: the runs come from 2 commit(s)")
+    dirty = sv.code_lines({"r1": {"commit": a, "dirty": True}, "r2": None})
+    assert "(dirty)" in dirty[0] and "1 run(s) record none" in dirty[0] and "uncommitted changes" in dirty[1]
+    assert sv.code_lines({"r1": None}) == ["Code: no run records the commit it was made on (made before runs "
+                                           "recorded it)."]
