@@ -218,10 +218,17 @@ def test_an_idle_shaped_link_sends_its_htb_bucket_at_once_and_refills_at_its_rat
         yield env.timeout(0.5)
         yield env.process(one(100))  # the link is busy: no burst, it shares the link at 500 B/s
         yield first
+        yield env.timeout(1.0)
+        # an exposed pass's 4 layer READs of 250 B, one before each 0.1 s window: the first from the
+        # full bucket, each later one from 100 B refilled in the window before it: 1000 - 250 - 300
+        t = env.now
+        yield sim._flow([link], 1000, layers=(4, 0.1))
+        took.append(round(env.now - t, 9))
 
     env.process(script())
     env.run()
     assert took[:5] == [0.7, 1.0, 0.9, 0.0, 0.15]
     assert took[5] == pytest.approx(0.2)  # 100 B at half the link
+    assert took[6:] == [1.1, 0.45]  # the first flow, then the layered READs
     # every byte is counted on the link, burst or not
-    assert sim.net.net.delivered[link] == pytest.approx(1000 * 3 + 250 + 200 + 1000 + 100)
+    assert sim.net.net.delivered[link] == pytest.approx(1000 * 3 + 250 + 200 + 1000 + 100 + 1000)

@@ -17,7 +17,8 @@ What runs is the testbed's own code where the testbed has it:
     storage host with its NIC and disk; in a testbed configuration every shaped NIC keeps the
     HTB bucket emulators/nic.py gives it, so a flow that finds its links idle sends its first
     bytes at once (up to a bucket: 64 KiB and an MTU, or 1 ms of the link) and the rest at the
-    link's rate.
+    link's rate; an exposed pass's per-layer READs each find the bucket refilled by the window
+    before them.
 What it models: time. A prefill pass computes layer by layer: layer l + 1's KV is READ while layer
 l computes (layerwise; basic reads every layer first), so a pass whose reads take L * d lasts
 min(d, w) + L * max(d, w) for windows of w; every layer's KV is written toward the DE buffer as it
@@ -510,11 +511,22 @@ class ClusterSim:
             self._tokens[link] = (b, 0.0)  # full: idle since before the run
         return link
 
-    def _flow(self, path, nbytes):
+    def _flow(self, path, nbytes, layers: tuple[int, float] | None = None):
+        """A transfer over `path`. `layers` = (L, w): it stands for an exposed pass's L per-layer
+        READs, each issued after the window (w) before it, so each finds its links' buckets
+        refilled by that window while they carry nothing else."""
         self.cpu.add(self.env.now, nbytes=2 * nbytes)  # a hop: its source NIC sends, its destination receives
         if not self._bucket:
             return self.net.transfer(path, nbytes)
-        rest = nbytes - self._burst(path, nbytes)
+        if layers is None:
+            rest = nbytes - self._burst(path, nbytes)
+        else:
+            n_layers, window = layers
+            per_layer = nbytes / n_layers
+            first = self._burst(path, per_layer)
+            refill = min((min(self._bucket[l], window * l.capacity_bps / 8) for l in path if l in self._bucket),
+                         default=0.0) if first > 0 else 0.0
+            rest = nbytes - first - (n_layers - 1) * min(per_layer, refill)
         if rest < nbytes:  # the burst crossed every link of the path at once: count it there
             d = self.net.net.delivered
             for l in path:
@@ -772,7 +784,7 @@ class ClusterSim:
             # writes, and every transfer's own latency (one READ and one WRITE per request and
             # layer).
             if reads:
-                yield simpy.AllOf(env, [self._flow(p, n) for p, n in reads])
+                yield simpy.AllOf(env, [self._flow(p, n, (L, w)) for p, n in reads])
             xfers = L * (len(reads) + len(writes))
             wait = L * w + xfers * cal.xfer_latency_s * self.cpu.factor(env.now)
             if wait > 0:
