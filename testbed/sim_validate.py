@@ -40,7 +40,7 @@ import numpy as np
 
 from emulators.sim.calibration import Calibration
 from testbed.reproduce.runs import Run
-from testbed.metrics import percentiles
+from testbed.metrics import percentiles, token_latencies
 from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
 from testbed.topology import Topology, load_topology
 
@@ -163,13 +163,15 @@ def fit_host(runs: Sequence[Run], cores: float) -> dict[str, Any]:
     pc = _nnls(np.array([[1.0, p["n"], p["predicted_s"]] for p in P]), np.array([p["timing"]["compute_wall_s"] for p in P]))
     sc = _nnls(np.array([[1.0, s["n"], s["emulated_s"]] for s in S]), np.array([s["compute_wall_s"] for s in S]))
     rows, y = [], []
-    for run, m in ((run, m) for run in runs for m in run.modes):
-        v = run.mode(m)
-        T = v["jct_testbed_s"]
-        eng = (sum(p["timing"]["compute_wall_s"] for p in run.passes(m)) + sum(s["compute_wall_s"] for s in run.steps(m))) / T
-        mb = sum(r["measured"] for r in v["kv_bytes_vs_expected"]["per_direction"]) / T / 1e6
-        rows.append([1.0, eng, mb])
-        y.append(v["cpu_busy"] * cores)
+    for run in runs:
+        for m in run.modes:
+            v = run.mode(m)
+            T = v["jct_testbed_s"]
+            eng = (sum(p["timing"]["compute_wall_s"] for p in run.passes(m))
+                   + sum(s["compute_wall_s"] for s in run.steps(m))) / T
+            mb = sum(r["measured"] for r in v["kv_bytes_vs_expected"]["per_direction"]) / T / 1e6
+            rows.append([1.0, eng, mb])
+            y.append(v["cpu_busy"] * cores)
     hc = _nnls(np.array(rows), np.array(y))
     pred = np.array(rows) @ hc
     return {"cpu_cores": float(cores), "cpu_base": float(hc[0]), "cpu_per_compute": float(hc[1]),
@@ -237,11 +239,11 @@ def run_label(run: Run) -> str:
     return config_name(run) + (f"@{run.aps:g}aps" if run.aps else "")
 
 
-def calibrate(runs: Run | Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,
+def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,
               cores: float | None = None) -> Calibration:
     """Fit a Calibration on run folders of one topology (see the module docstring)."""
     t_start = time.monotonic()
-    runs = [runs] if isinstance(runs, Run) else list(runs)
+    runs = list(runs)
     if not runs:
         raise ValueError("calibration needs at least one testbed run")
     for run in runs:
@@ -328,7 +330,7 @@ def _rel(a: float | None, b: float | None) -> float | None:
 
 def ttfts(records: Sequence) -> list[float]:
     """Each completed request's time to first token, in its records' units."""
-    return [_get(r, "token_times")[0] - _get(r, "t_arrive") for r in records
+    return [token_latencies(_get(r, "t_arrive"), _get(r, "token_times"))["ttft"] for r in records
             if not _get(r, "error") and _get(r, "token_times")]
 
 
@@ -458,12 +460,13 @@ def code_lines(codes: dict[str, dict[str, Any] | None]) -> list[str]:
     known = {p: c for p, c in codes.items() if c}
     if not known:
         return ["Code: no run records the commit it was made on (made before runs recorded it)."]
-    commits = sorted({c["commit"] for c in known.values()})
+    commits = {c["commit"] for c in known.values()}
+    dirty = any(c.get("dirty") for c in known.values())
     lines = ["Code: " + "; ".join(f"`{p}` {c['commit'][:12]}{' (dirty)' if c.get('dirty') else ''}"
                                   for p, c in known.items())
              + (f"; {len(codes) - len(known)} run(s) record none" if len(known) < len(codes) else "") + "."]
-    if len(commits) > 1 or any(c.get("dirty") for c in known.values()):
-        lines.append(f"WARNING: the runs come from {len(commits)} commit(s){' and uncommitted changes' if any(c.get('dirty') for c in known.values()) else ''}: "
+    if len(commits) > 1 or dirty:
+        lines.append(f"WARNING: the runs come from {len(commits)} commit(s){' and uncommitted changes' if dirty else ''}: "
                      "a run made on other code measures another testbed (`git diff` between them, under dualpath/ "
                      "and emulators/, shows what changed); re-make the older runs before trusting the errors.")
     return lines

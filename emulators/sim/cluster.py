@@ -236,7 +236,8 @@ class _Host:
 
 
 class _Engine:
-    def __init__(self, sim: "ClusterSim", name: str, node: _Host, role: Role, group: str, cfg: SimConfig):
+    def __init__(self, sim: "ClusterSim", name: str, node: _Host, role: Role, group: str):
+        cfg = sim.cfg
         self.name, self.node, self.role, self.group = name, node, role, group
         self.cnic_rx = sim.shaped(Link(f"{name}/cnic/rx", cfg.cnic_bps, qos=cfg.qos), "cnic")
         self.cnic_tx = sim.shaped(Link(f"{name}/cnic/tx", cfg.cnic_bps, qos=cfg.qos), "cnic")
@@ -413,7 +414,7 @@ class ClusterSim:
                 h = self.hosts[node] = _Host(self, node)
                 group = ("pe" if cfg.pe_groups == "one" else f"pe-{node}") if role is Role.PREFILL else f"de-{node}"
                 for e in range(cfg.engines_per_node):
-                    eng = _Engine(self, f"{node}e{e}", h, role, group, cfg)
+                    eng = _Engine(self, f"{node}e{e}", h, role, group)
                     self.engines[eng.name] = eng
                     self.groups.setdefault(group, []).append(eng)
         self.decoders = {n: _DecodeEngine(self, e) for n, e in self.engines.items() if e.role is Role.DECODE}
