@@ -27,8 +27,9 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from testbed import rundir
 
@@ -64,6 +65,67 @@ def demo_checkpoint() -> Path:
     if not (path / "model.safetensors").exists():
         make_tiny_checkpoint(path, seed=0, kind="qwen2", **DEMO)
     return path
+
+
+def fabric_record(fab: Any, topology_path: Path | None = None) -> dict[str, Any]:
+    """What a run directory records of a fabric that is up: enough for `dualpath status` to show
+    it and for `dualpath down` to remove it after its owner died."""
+    from testbed.fabric import COMPUTE_BRIDGE, STORAGE_BRIDGE
+
+    shells = []
+    for node in (*fab.net.hosts, *fab.net.switches):  # Mininet's shells: tagged mininet:<name>
+        ref = rundir.ProcRef.of(node.shell.pid) if getattr(node, "shell", None) is not None else None
+        if ref is not None:
+            shells.append({"name": node.name, **ref.to_dict()})
+    return {
+        "topology": {"name": fab.topo.name, **({"path": str(topology_path)} if topology_path else {})},
+        "qos": fab.qos,
+        "bridges": [COMPUTE_BRIDGE, STORAGE_BRIDGE],
+        "endpoints": [{"name": ep.name, "role": ep.role, "kind": ep.kind, "node": ep.node,
+                       "nics": [{"kind": n.kind, "dev": n.dev, "bridge_dev": n.bridge_dev, "ip": n.ip,
+                                 "rate_bps": n.rate_bps, "classes": n.classes} for n in ep.nics]}
+                      for ep in fab.endpoints],
+        "mininet_shells": shells,
+        "containers": dict(fab.containers),  # namespace -> its container's init pid (hosts: docker)
+    }
+
+
+@contextmanager
+def claimed_fabric(topo: Any, transport: str = "tcp", shares: Sequence[Path] = (),
+                   owner_kind: str = "run") -> Iterator[Any]:
+    """A bare fabric (testbed.fabric.Fabric) for a command that runs in the foreground
+    (`dualpath run`, `check`, `bench`, `up --hold`, a reproduce's runs, the isolation
+    experiment), holding the machine's run directory while it is up as a Testbed does:
+    `dualpath status` and `exec` see it, a second testbed is refused saying whose it is, and
+    `dualpath down` removes what it made if this process is killed. Raises TestbedError when
+    the machine is taken or holds leftovers; released however the block ends."""
+    from testbed.fabric import Fabric
+
+    try:
+        state = rundir.claim(owner_kind, topo.name)
+    except rundir.RunDirBusy as e:
+        raise TestbedError(str(e)) from None
+    try:
+        _refuse_leftovers()
+        with Fabric(topo, transport, shares) as fab:
+            state.update({**fabric_record(fab), "phase": "up", "timings": {"fabric_s": round(fab.timings["up_s"], 3)}})
+            rundir.write(state)
+            yield fab
+    finally:
+        st = rundir.read()
+        if st is None or rundir.owner(st).pid == os.getpid():  # not one that `dualpath clean` let in meanwhile
+            rundir.release()
+
+
+def _refuse_leftovers() -> None:
+    """Once the run directory is claimed, anything else of the testbed's on the machine is what
+    a dead run left: building over it would mix the two."""
+    from testbed.cleanup import find_leftovers
+
+    left = find_leftovers(exclude_pids={os.getpid()})
+    left.run_dirs = []  # ours, just claimed
+    if not left.empty():
+        raise TestbedError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
 
 
 class Testbed:
@@ -124,16 +186,12 @@ class Testbed:
         _live.append(self)
 
     def build(self) -> None:
-        from testbed.cleanup import find_leftovers
         # Not testbed.cluster: it imports torch (2 s here), which a fabric-only bring-up never needs.
         from testbed.fabric import (COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_CLIENT_IP,
                                     STORAGE_NET, Fabric)
         from testbed.shell import run
 
-        left = find_leftovers(exclude_pids={os.getpid()})
-        left.run_dirs = []  # ours, just claimed
-        if not left.empty():
-            raise TestbedError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
+        _refuse_leftovers()
         self._catch_sigterm()
         t0 = time.monotonic()
         # with hosts: docker, the node processes' run directory and checkpoint are shared into the containers
@@ -145,7 +203,7 @@ class Testbed:
         run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
                                          f"addr replace {STORAGE_CLIENT_IP}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
         self.timings["fabric_s"] = round(time.monotonic() - t0, 3)
-        self.state.update(self._fabric_state(CONDUCTOR_IP, STORAGE_CLIENT_IP, [COMPUTE_BRIDGE, STORAGE_BRIDGE]))
+        self.state.update(self._fabric_state(CONDUCTOR_IP, STORAGE_CLIENT_IP))
         self.state["phase"] = "fabric"
         rundir.write(self.state, self.run_dir)  # from here `dualpath down` knows what to remove
         if self.services:
@@ -193,24 +251,11 @@ class Testbed:
         ref = rundir.ProcRef.of(pid)
         return ref.to_dict() if ref else {"pid": pid, "start": -1}
 
-    def _fabric_state(self, conductor_ip: str, storage_ip: str, bridges: list[str]) -> dict[str, Any]:
-        fab = self.fabric
-        shells = []
-        for node in (*fab.net.hosts, *fab.net.switches):  # Mininet's shells: tagged mininet:<name>
-            if getattr(node, "shell", None) is not None:
-                shells.append({"name": node.name, **self._ref(node.shell.pid)})
+    def _fabric_state(self, conductor_ip: str, storage_ip: str) -> dict[str, Any]:
         return {
-            "topology": {"name": self.topo.name, "path": str(self.topology_path)},
+            **fabric_record(self.fabric, self.topology_path),
             "services": self.services,
-            "qos": fab.qos,
-            "bridges": bridges,
             "root_addresses": {"compute": conductor_ip, "storage": storage_ip},
-            "endpoints": [{"name": ep.name, "role": ep.role, "kind": ep.kind, "node": ep.node,
-                           "nics": [{"kind": n.kind, "dev": n.dev, "bridge_dev": n.bridge_dev, "ip": n.ip,
-                                     "rate_bps": n.rate_bps, "classes": n.classes} for n in ep.nics]}
-                          for ep in fab.endpoints],
-            "mininet_shells": shells,
-            "containers": dict(fab.containers),  # namespace -> its container's init pid (hosts: docker)
             "store": None, "processes": [], "agents": {},
         }
 

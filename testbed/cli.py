@@ -49,17 +49,12 @@ def _topology(path: Optional[Path]):
         _fail(str(e))
 
 
-def _fabric(topo, transport: str = "tcp"):
-    from testbed import rundir
-    from testbed.cleanup import find_leftovers
-    from testbed.fabric import Fabric
+def _fabric(topo, kind: str, transport: str = "tcp"):
+    """The fabric of a foreground command, holding the run directory (testbed.api.claimed_fabric):
+    a testbed already up, or a dead one's leftovers, end the command with one line saying which."""
+    from testbed.api import claimed_fabric
 
-    if rundir.RUN_DIR.exists():  # a testbed is up (or its owner died): say which, not just "leftovers"
-        _fail(rundir.describe_busy(rundir.read()), code=1)
-    left = find_leftovers()
-    if not left.empty():
-        _fail(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
-    return Fabric(topo, transport)
+    return claimed_fabric(topo, transport, owner_kind=kind)
 
 
 def _transport_opt(transport: str) -> str:
@@ -118,7 +113,7 @@ def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
 def _up_hold(topology: Path, hold: float) -> None:
     t = _topology(topology)
     t0 = time.monotonic()
-    with _fabric(t) as fab:
+    with _fabric(t, "up --hold") as fab:
         typer.echo(f"up in {time.monotonic() - t0:.2f}s")
         for ep in fab.endpoints:
             nics = ", ".join(f"{n.dev} {n.ip} {n.rate_bps / 1e6:g} Mbit/s" for n in ep.nics)
@@ -206,7 +201,7 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
 
     t = _topology(topology)
     progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
-    with _fabric(t) as fab:
+    with _fabric(t, "check") as fab:
         progress(f"checking {t.name}: {len(fab.nics)} NICs")
         report = run_check(fab, seconds=seconds, progress=progress)
     if out:
@@ -232,7 +227,7 @@ def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) ->
     else:
         t = _topology(topology)
         try:
-            with _fabric(t, "rdma") as fab:
+            with _fabric(t, "check --rdma", "rdma") as fab:
                 progress(f"checking RDMA on {t.name}: {len(fab.rxe)} rxe devices")
                 rep = rdma_check(fab, progress)
         except RdmaUnavailableError as e:
@@ -287,7 +282,7 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"
     scratch.mkdir(parents=True, exist_ok=True)
-    with _fabric(t, transport) as fab:
+    with _fabric(t, "bench", transport) as fab:
         res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
     shutil.rmtree(scratch, ignore_errors=True)
     run_dir = out / what / run_id

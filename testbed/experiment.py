@@ -26,6 +26,7 @@ from testbed.cluster import CONDUCTOR_IP, Cluster
 from testbed.collectives import collective_stats
 from testbed.conductor import MODES, Conductor, RequestRecord
 from testbed.modes import PATH_POLICY
+from testbed.api import claimed_fabric
 from testbed.fabric import Fabric
 from testbed.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector, lost_blocks
 from dualpath.store.keys import chain_keys
@@ -598,18 +599,14 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     results are written, so a failed run keeps its logs."""
     import shutil
 
-    from testbed.cleanup import find_leftovers
     from testbed.report import e2e_lines
 
-    left = find_leftovers()
-    if not left.empty():
-        raise RuntimeError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
     scratch = Path("/var/tmp") / f"dpt-run-{run_dir.name}"
     geom = run_geometry(checkpoint)
     t0 = time.monotonic()
     spec = topo.spec
     shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent)  # what nodes read and write
-    with Fabric(topo, transport, shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+    with claimed_fabric(topo, transport, shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,

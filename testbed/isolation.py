@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from dualpath.traffic_classes import KV, MODEL
 from dualpath.workload import Workload
+from testbed.api import claimed_fabric
 from testbed.cluster import Cluster
 from testbed.experiment import ModeResult, _run_mode, run_geometry, summarize, write_results
 from testbed.fabric import Fabric
@@ -117,13 +118,8 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                   conditions: tuple[str, ...] = CONDITIONS, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Bring the topology up once, run every condition, tear down; write the run folder like
     `dualpath run` does (summary.json's modes are the conditions). Returns the summary."""
-    from testbed.cleanup import find_leftovers
-
     if not topo.spec.collectives:
         raise ValueError(f"topology {topo.name} runs no collectives (collectives: off): nothing to isolate")
-    left = find_leftovers()
-    if not left.empty():
-        raise RuntimeError(f"leftovers of an earlier run exist ({left.summary()}); run `dualpath clean` first")
     scratch = Path("/var/tmp") / f"dpt-run-{run_dir.name}"
     geom = run_geometry(checkpoint)
     clock = RunClock.of(topo, geom)
@@ -131,7 +127,7 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     t0 = time.monotonic()
     results: list[ModeResult] = []
     info: dict[str, dict] = {}
-    with Fabric(topo) as fab:
+    with claimed_fabric(topo) as fab:
         with Cluster(fab, scratch, checkpoint, geom, int(spec.dram_buffer_gib * 2**30),
                      int(spec.hbm_gib_per_engine * 2**30), timing=clock.engine_timing(),
                      collectives=clock.engine_collectives()) as cluster:

@@ -114,7 +114,7 @@ def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, t
     # The fabric is faked, so what a real run on this host left behind is not this test's business.
     monkeypatch.setattr(cleanup, "find_leftovers", lambda *a, **k: cleanup.Leftovers())
     monkeypatch.setattr(cli, "_fabric", fake_fabric)
-    monkeypatch.setattr(experiment, "Fabric", fake_fabric)  # no namespaces: this test holds no testbed
+    monkeypatch.setattr(experiment, "claimed_fabric", fake_fabric)  # no namespaces, no run directory
     monkeypatch.setattr(experiment, "run_e2e", fake_run)
     monkeypatch.setattr(experiment, "summarize", lambda *a: {"modes": {}})
     monkeypatch.setattr(experiment, "write_results", failing_write)

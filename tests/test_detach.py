@@ -106,6 +106,41 @@ def test_an_interrupted_up_says_it_tore_down(no_leftovers):
     assert find_leftovers().empty()
 
 
+
+def test_a_foreground_fabric_holds_the_run_directory_and_a_killed_one_goes_with_down(no_leftovers):
+    """`dualpath run`, `check`, `bench` and `up --hold` bring a bare fabric up in the foreground;
+    while it is up, `status` and `exec` see it and a second testbed is refused saying whose it is
+    (they once saw nothing, and a second `up` blamed "leftovers of an earlier run")."""
+    import subprocess
+
+    from tests.conftest import CLI, REPO
+
+    p = subprocess.Popen([*CLI, "up", "topologies/1p1d.yaml", "--hold", "60"], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in p.stdout:
+            if "Ctrl-C tears down" in line:
+                break
+        st = json.loads(dualpath("status", "--json").stdout)
+        assert st["status"] == "up" and st["owner"] == {**st["owner"], "kind": "up --hold", "pid": p.pid}, st
+        assert "dpt-p0e0" in {e["name"] for e in st["endpoints"]}
+        r = dualpath("exec", "p0e0", "--", "cat", "/proc/self/net/dev")
+        assert r.returncode == 0 and "dpt-p0e0-cnic" in r.stdout, r.stderr
+        again = dualpath("up", "--hold", "1")
+        assert again.returncode == 1 and f"already up, owned by pid {p.pid}" in again.stderr, again.stderr
+        d = dualpath("down")
+        assert d.returncode == 1 and "--force" in d.stderr
+        p.kill()  # SIGKILL: nothing unwinds, the recorded state says what `down` removes
+        p.wait(timeout=10)
+        d = dualpath("down")
+        assert d.returncode == 0 and "removed what it left" in d.stdout and "namespaces" in d.stdout, d.stdout
+        assert find_leftovers().empty(), find_leftovers()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 HOLDER = """
 import faulthandler, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for a stack if it hangs

@@ -110,8 +110,8 @@ def test_an_unknown_option_before_the_command_is_one_line():
 
 def test_a_run_in_progress_has_a_live_owner_and_a_killed_one_has_none(run_dir):
     """The suite's start sweeps a killed run's leftovers but must leave a live run alone (it once
-    tore down a reproduce that was running beside it). A `dualpath run` claims no run directory:
-    its Mininet shells' parent is what says it is alive."""
+    tore down a reproduce that was running beside it). A bare Fabric (as tests use one) claims no
+    run directory: its Mininet shells' parent is what says it is alive."""
     from testbed.cleanup import MININET_TAG, live_owners
 
     owner = subprocess.Popen(["bash", "-c", f"exec -a '{MININET_TAG}ztest' sleep 30 & echo $!; wait"],
