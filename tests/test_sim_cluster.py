@@ -162,7 +162,19 @@ def test_online_arrivals_start_agents_later():
     for r in res.records:
         first.setdefault(r.trajectory, r.t_arrive)
     for t in trajs:
-        assert first[t.id] >= t.arrival_s
+        assert first[t.id] >= res.t0 + t.arrival_s
+
+
+def test_a_burst_at_the_start_spreads_over_every_de_group():
+    """The testbed's conductor submits once every group's leader has started and reported; a
+    simulation that let the first requests in before that put the whole first burst on the group
+    that happened to report first (1p2d-io: every first turn on d0, twice the DE SNIC queue)."""
+    _, cfg, _, trajs = _setup(12, topo="1p2d-io", cal=Calibration(rpc_s=2e-3))
+    res = simulate(cfg, trajs, ["dualpath"])["dualpath"]
+    first = [r for r in res.records if r.turn == 0]
+    per_node = {n: sum(r.de_node == n for r in first) for n in ("dpt-d0", "dpt-d1")}
+    assert sum(per_node.values()) == 12 and min(per_node.values()) >= 4, per_node  # phase 1 balances tokens
+    assert res.t0 > 0 and min(r.t_arrive for r in res.records) >= res.t0
 
 
 def test_calibration_round_trips_and_rejects_bad_fields(tmp_path):

@@ -105,7 +105,7 @@ class TrajectorySpec:
     id: int
     system_prompt_len: int
     turns: Sequence[tuple[int, int]]
-    arrival_s: float = 0.0  # simulation seconds after the start
+    arrival_s: float = 0.0  # simulation seconds after the start (every group's leader has reported)
 
 
 @dataclass
@@ -469,6 +469,7 @@ class ClusterSim:
         members = self.groups[group]
         bell = self.bells[group]
         heartbeat = HEARTBEAT_S  # the control plane keeps real seconds (see calibration.py)
+        registered = self._registered[group]
         while True:
             yield self._lat(rpc)  # every member's load and its node's read_q, gathered at once
             reports = [self._report(e) for e in members]
@@ -480,6 +481,8 @@ class ClusterSim:
                 return self.sched.pull(group)
 
             got = self._service(pull)
+            if not registered.triggered:
+                registered.succeed()
             if got:
                 waiting = self._delivered if members[0].role is Role.PREFILL else self._decided
                 for a in got:
@@ -837,10 +840,16 @@ class ClusterSim:
     def run(self) -> SimResult:
         env = self.env
         wall = time.perf_counter()
+        self._registered = {g: env.event() for g in self.groups}
         for g in self.groups:
             env.process(self._leader(g))
         for h in self.hosts.values():
             env.process(self._read_worker(h))
+        # As on the testbed, whose conductor submits only once every group's leader has started
+        # (testbed.scheduling.ServiceRouter.start) and so reported: a group the scheduler has not
+        # heard of yet gets nothing from phase 1, and a burst would all land on the first one.
+        env.run(until=simpy.AllOf(env, list(self._registered.values())))
+        self.t0 = env.now
         agents = [env.process(self._trajectory(tr)) for tr in self.trajectories]
         n_turns = sum(len(t.turns) for t in self.trajectories)
         env.run(until=simpy.AllOf(env, agents))  # leaders and read workers loop for ever
@@ -855,7 +864,7 @@ class ClusterSim:
         by_traj: dict[int, float] = {}
         for r in recs:
             by_traj[r.trajectory] = max(by_traj.get(r.trajectory, 0.0), r.t_done)
-        arr = {t.id: t.arrival_s for t in self.trajectories}
+        arr = {t.id: self.t0 + t.arrival_s for t in self.trajectories}
         links = {l.name: b for l, b in self.net.net.delivered.items()}
         dec = self.decoders.values()
         n_req = max(1, len(recs))

@@ -25,13 +25,13 @@ def plan(quick: bool = False) -> Plan:
 
 def series(res) -> dict:
     recs = [r for r in res.records if r.token_times]
-    t1 = max(r.t_done for r in recs)
-    w = t1 / BINS
+    t0 = res.t0  # the run starts once every group's leader has reported
+    w = (max(r.t_done for r in recs) - t0) / BINS
     tps = [0.0] * BINS
     ttft: list[list[float]] = [[] for _ in range(BINS)]
     for r in recs:
-        tps[min(BINS - 1, int(r.t_first_token / w))] += r.n_prompt / w
-        ttft[min(BINS - 1, int(r.t_arrive / w))].append(r.t_first_token - r.t_arrive)
+        tps[min(BINS - 1, int((r.t_first_token - t0) / w))] += r.n_prompt / w
+        ttft[min(BINS - 1, int((r.t_arrive - t0) / w))].append(r.t_first_token - r.t_arrive)
     mid = [(i + 0.5) * w for i in range(BINS)]
     return {"t_s": mid, "prompt_tps": tps, "ttft_mean_s": [sum(x) / len(x) if x else None for x in ttft]}
 
