@@ -420,7 +420,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             # segments sent again, per namespace: each one's bytes are in the HTB counters twice
             "tcp_retransmitted_segments": {ns: n for ns, n in sorted(res.counters.retransmitted.items()) if n},
             "reread_bytes": sum(r.reread_bytes for r in ok),
-            "snic_max_over_avg": round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3) if sum(snic_rx) else None,
+            # a mode that reads nothing (oracle) has no balance: its SNICs' payload is noise around 0
+            "snic_max_over_avg": (round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3)
+                                  if sum(snic_rx) > 0 and any(r.path != "none" for r in ok) else None),
             "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
                                        if pe_att and sum(pe_att.values()) else None),
             # per forward step across PEs: while loaded (the target), by wall time, and every step

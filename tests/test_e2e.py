@@ -74,6 +74,13 @@ def test_nic_bytes_match_the_path_definitions(summary):
     assert snic("basic", "dpt-p0") > snic("dualpath-rr", "dpt-p0")
 
 
+def test_only_a_mode_that_reads_has_an_snic_balance(summary):
+    # oracle's SNICs carry no KV: their payload counters are noise around 0 (a fig7 run once
+    # reported a balance of -4.0 for it)
+    assert summary["modes"]["oracle"]["snic_max_over_avg"] is None
+    assert summary["modes"]["basic"]["snic_max_over_avg"] >= 1.0
+
+
 def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):
     n_layer = DEMO["num_hidden_layers"]
     assert summary["modes"]["basic"]["peak_hit_kv_layers_in_hbm"]["max"] == n_layer
