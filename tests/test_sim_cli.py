@@ -175,3 +175,30 @@ def test_the_report_warns_when_the_runs_come_from_different_code():
     assert "(dirty)" in dirty[0] and "1 run(s) record none" in dirty[0] and "uncommitted changes" in dirty[1]
     assert sv.code_lines({"r1": None}) == ["Code: no run records the commit it was made on (made before runs "
                                            "recorded it)."]
+
+
+def test_the_report_names_a_row_whose_prediction_moves_more_than_its_target():
+    """Round-robin on 1p2d-io once moved its JCT from -5.8 % to +1.9 % when one write-back latency
+    moved by 10 %: the order of events, not the rates, placed it. Every row gets the band of its
+    prediction over the fitted latencies moved one at a time; a band wider than the target is named."""
+    from emulators.sim.calibration import Calibration
+
+    cal = Calibration(rpc_s=1e-3, flush_fixed_s=2e-3, source={"run": "r"})
+    nudged = sv.nudged_calibrations(cal)
+    assert sorted(c.rpc_s for c in nudged) == pytest.approx([0.9e-3, 1e-3, 1e-3, 1.1e-3])
+    assert sorted(c.flush_fixed_s for c in nudged) == pytest.approx([1.8e-3, 2e-3, 2e-3, 2.2e-3])
+    assert all(c.pass_fixed_s == 0 for c in nudged)  # a latency the fit left at 0 is not moved
+    assert sv.spread([8.0, 8.4, 7.8], 8.0) == 0.075 and sv.spread([None, None], 8.0) is None
+
+    def row(mode, jct_band, ttft_band):
+        return {"config": "1p2d-io", "mode": mode, "held_out": True, "faithful": True,
+                "jct_s": {"testbed": 8.0, "sim": 8.0}, "jct_err": 0.0, "ttft_p50_err": 0.0, "ttft_p99_err": 0.0,
+                "tpot_p50_err": 0.0, "snic_max_over_avg": {"testbed": 1.5, "sim": 1.5}, "snic_balance_diff": 0.0,
+                "jct_spread": jct_band, "ttft_p50_spread": ttft_band}
+
+    rows = [row("dualpath-rr", 0.077, 0.2), row("dualpath", 0.01, 0.02)]
+    agg = sv.aggregate(rows)
+    assert agg["max_jct_spread"] == 0.077 and agg["max_ttft_p50_spread"] == 0.2
+    text = "\n".join(sv.report_lines("cmd", cal, rows, agg))
+    assert "1p2d-io dualpath-rr: JCT band +7.7%, TTFT p50 band +20.0%: wider than the target" in text
+    assert "1p2d-io dualpath:" not in text and "over the 5 simulations" in text
