@@ -33,6 +33,22 @@ def test_load_run_reads_every_file_by_mode(tmp_path):
         r.mode("oracle")
 
 
+def test_a_figures_report_names_the_commit_each_run_was_made_on(tmp_path):
+    """A committed figure can outlive the code under its runs (the ladders once did by two model
+    changes): the report and summary say which commit each run was made on."""
+    from testbed.reproduce.common import Headline, Result, UsedRun
+
+    new = RunFolder(tmp_path / "new").mode("basic")
+    new.summary["code"] = {"commit": "a" * 40, "dirty": True}
+    old = RunFolder(tmp_path / "old").mode("basic")
+    used = [UsedRun("new", load_run(new.write()), ("basic",)), UsedRun("old", load_run(old.write()), ("basic",))]
+    res = Result("fig0", "t", [Headline("x", 1.0, None, None)], used=used)
+    text = "\n".join(res.report_lines("cmd"))
+    assert f"(basic; FAITHFUL; made on {'a' * 12} with uncommitted changes)" in text
+    assert "(basic; FAITHFUL; made before runs recorded their commit)" in text
+    assert [r["code"] for r in res.summary("cmd", True, None)["runs"]] == [{"commit": "a" * 40, "dirty": True}, None]
+
+
 def test_find_runs_and_bad_folders(tmp_path):
     for i in range(2):
         RunFolder(tmp_path / "runs" / f"r{i}").mode("basic").write()

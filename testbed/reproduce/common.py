@@ -50,7 +50,13 @@ class UsedRun:
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "path": str(self.run.path), "modes": list(self.modes),
-                "faithful": self.run.faithful(self.modes), "unfaithful": self.run.unfaithful(self.modes)}
+                "faithful": self.run.faithful(self.modes), "unfaithful": self.run.unfaithful(self.modes),
+                "code": self.run.summary.get("code")}
+
+    def made_on(self) -> str:
+        """The commit the run was made on, as the report names it ("" if the run records none)."""
+        c = self.run.summary.get("code")
+        return f"{c['commit'][:12]}{' with uncommitted changes' if c.get('dirty') else ''}" if c else ""
 
 
 @dataclass
@@ -125,7 +131,9 @@ class Result:
             out += ["## Runs used", ""]
             for u in self.used:
                 v = "FAITHFUL" if u.run.faithful(u.modes) else "UNFAITHFUL"
-                out.append(f"- `{u.key}`: {u.run.path} ({', '.join(u.modes)}; {v})")
+                made = u.made_on()
+                out.append(f"- `{u.key}`: {u.run.path} ({', '.join(u.modes)}; {v}"
+                           + (f"; made on {made})" if made else "; made before runs recorded their commit)"))
             out.append("")
         if self.pngs:
             out += ["## Figures", ""] + [f"![{p}]({p})" for p in self.pngs] + [""]
