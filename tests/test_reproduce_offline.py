@@ -35,7 +35,8 @@ def fig7_jct(cfg, mode):
     return FIG7_JCT[mode] * cfg.params["agents"] / 4
 
 
-def test_fig7_speedups_from_the_runs(tmp_path):
+def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig7"), "PROJECTION_AGENTS", (2, 3))  # the simulated projection, small
     plan = module("fig7").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig7_jct, bound=lambda c: 2.0)
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
@@ -49,9 +50,26 @@ def test_fig7_speedups_from_the_runs(tmp_path):
     h = heads(s)["MaxLen 64K, 16 agents: DualPath speed-up over Basic (x)"]
     assert h == {"name": h["name"], "testbed": 2.0, "paper": 1.78, "bound": 2.0}
     assert heads(s)["MaxLen 64K, 4 agents: DualPath speed-up over Basic (x)"]["paper"] is None
+    pj = s["projection"]  # simulated at full turn counts, apart from the testbed's headline rows
+    assert [c["agents"] for c in pj["cells"]] == [2, 3] and all(c["turns_scale"] == 1.0 for c in pj["cells"])
+    for c in pj["cells"]:
+        assert c["speedup"] == pytest.approx(c["jct_s"]["basic"] / c["jct_s"]["dualpath"]) and c["dilation"] > 1
+    # the simulator on the testbed's own largest cell, beside the testbed's numbers from the run
+    assert pj["check"]["agents"] == 16 and pj["check"]["turns_scale"] == 3.0
+    assert pj["check"]["testbed"]["jct_s"] == {"basic": 400.0, "dualpath": 200.0, "oracle": 160.0}
+    assert pj["check"]["sim"]["speedup"] > 1
+    assert "## Projection: MaxLen 64K at its full turn counts, simulated" in (out / "report.md").read_text()
 
 
-def test_fig7_unfaithful_when_one_run_is(tmp_path):
+def test_fig7_without_the_calibration_has_no_projection(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")
+    runs_for_plan(tmp_path / "runs", module("fig7").plan(True), fig7_jct)
+    out, _ = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    assert summary(out)["projection"] is None and "Projection" not in (out / "report.md").read_text()
+
+
+def test_fig7_unfaithful_when_one_run_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")  # no projection
     plan = module("fig7").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig7_jct, unfaithful={plan.configs[0].key})
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
@@ -60,7 +78,8 @@ def test_fig7_unfaithful_when_one_run_is(tmp_path):
     assert "NOT FAITHFUL" in (out / "report.md").read_text() and "overran" in (out / "report.md").read_text()
 
 
-def test_fig7_missing_runs_are_reported(tmp_path):
+def test_fig7_missing_runs_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")  # no projection
     plan = module("fig7").plan(True)
     plan.configs = plan.configs[:1]
     runs_for_plan(tmp_path / "runs", plan, fig7_jct)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from testbed import plots
 from testbed.reproduce import paper
+from testbed.reproduce import projection as projection_
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
@@ -86,6 +87,59 @@ def render(rows: list[dict], out: Path, quick: bool) -> list[str]:
     return pngs
 
 
+# The last panel at its full turn counts, in the simulator (testbed.reproduce.projection). A quick
+# run has a third of the turns and at most 16 agents, so each agent's chain of turns, not the
+# storage NICs, bounds much of its JCT; the paper's cells have hundreds of agents.
+PROJECTION_AGENTS = (16, 32, 64)
+CALIBRATION = projection_.CALIBRATION
+
+
+def projection(rows: list[dict], quick: bool) -> dict | None:
+    """Simulated JCTs and speed-ups of the last panel at full turn counts, and the simulator on the
+    testbed's own largest cell to judge them by; None without the calibration file."""
+    cal = projection_.calibration(CALIBRATION)
+    if cal is None:
+        return None
+    sets, agents, turns = grid(quick)
+    panel = sets[-1]
+
+    def sim(n: int, turns_scale: float) -> dict:
+        cfg = RunConfig(f"fig7/projection/{panel}/agents={n}", TOPOLOGY, MODES,
+                        WorkloadSpec(preset=panel, scale=PAPER_SCALE, agents=n, turns_scale=turns_scale),
+                        topology_overrides=dict(IO_1P1D_OVERRIDES))
+        r = projection_.simulate_config(cfg, cal)
+        return {"agents": n, "turns_scale": turns_scale, **r, "speedup": ratio(r["jct_s"]["basic"], r["jct_s"]["dualpath"])}
+
+    top = next((c for c in rows if (c["max_len"], c["agents"]) == (panel, agents[-1])), None)
+    check = None
+    if top is not None:
+        s = sim(agents[-1], turns)
+        check = {"agents": agents[-1], "turns_scale": turns, "testbed": {"jct_s": top["jct_s"], "speedup": top["speedup"]},
+                 "sim": {"jct_s": s["jct_s"], "speedup": s["speedup"]}}
+    return {"max_len": panel, "calibration": CALIBRATION.name, "check": check,
+            "cells": [sim(n, 1.0) for n in PROJECTION_AGENTS]}
+
+
+def projection_section(pj: dict) -> str:
+    c = pj["check"]
+    judge = ""
+    if c is not None:
+        t, s = c["testbed"], c["sim"]
+        judge = (f" On the testbed's own cell ({c['agents']} agents, turns / {c['turns_scale']:g}) the simulator gives "
+                 f"a speed-up of {s['speedup']:.3g}x against the testbed's {t['speedup']:.3g}x (JCTs: "
+                 + ", ".join(f"{plots.label(m)} {s['jct_s'][m]:.3g} s against {t['jct_s'][m]:.3g} s" for m in MODES) + ").")
+    rows = [f"| {x['agents']} | {x['jct_s']['basic']:.3g} | {x['jct_s']['dualpath']:.3g} | {x['jct_s']['oracle']:.3g} | "
+            f"{x['speedup']:.3g} | {x['testbed_s'] / 3600:.1f} h |" for x in pj["cells"]]
+    return "\n".join([
+        f"## Projection: MaxLen {pj['max_len']} at its full turn counts, simulated", "",
+        f"Not a testbed result: `emulators/sim` with `results/sim/{pj['calibration']}`, the same 1P1D and trace "
+        f"(lengths / {PAPER_SCALE}) with every turn. The quick runs have a third of the turns and few agents, so an "
+        f"agent's chain of turns, not the storage NICs, bounds much of their JCT.{judge} The paper's largest cell: "
+        f"{paper.FIG7_SPEEDUP_MAX['DS 27B (1P1D)']}x (DS 27B, 1P1D).", "",
+        "| agents | Basic JCT (emulated s) | DualPath JCT | Oracle JCT | DualPath speed-up (x) | testbed time of the three modes |",
+        "| --- | --- | --- | --- | --- | --- |", *rows])
+
+
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     rows = cells(runs, quick)
     heads = []
@@ -111,5 +165,6 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
                          for a, (b, d, o) in paper.FIG7_DS660B_64K.items()) + ".",
              "Shape to reach: DualPath below Basic in every cell, approaching Oracle; the speed-up grows with agents "
              "and MaxLen and stays at or under its bound."]
-    return Result(ID, TITLE, heads, render(rows, out, quick), used, data={"cells": rows}, notes=notes,
-                  scale_down=plan(quick).scale_down)
+    pj = projection(rows, quick)  # a section and summary.json's "projection", never a headline
+    return Result(ID, TITLE, heads, render(rows, out, quick), used, data={"cells": rows, "projection": pj}, notes=notes,
+                  scale_down=plan(quick).scale_down, sections=[projection_section(pj)] if pj else [])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from testbed import plots
 from testbed.reproduce import paper
+from testbed.reproduce import projection as projection_
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 
@@ -99,18 +100,15 @@ def render(ser: dict, out: Path) -> list[str]:
 PROJECTION_MODEL = "deepseek-v3"
 PROJECTION_AGENTS = 64
 PROJECTION_SCALES = (1, 4)
-CALIBRATION = Path(__file__).resolve().parents[2] / "results" / "sim" / "calibration.json"
+CALIBRATION = projection_.CALIBRATION
 
 
 def projection() -> dict | None:
     """Per side and scale, simulated JCTs and DualPath's speed-up on 1p1d-io with the paper's
     model and the paper's 64K trace (lengths / 32); None without the calibration file."""
-    from emulators.sim.calibration import Calibration
-    from testbed.sim import Geometry, sim_config, simulate, trajectories
-
-    if not CALIBRATION.exists():
+    cal = projection_.calibration(CALIBRATION)
+    if cal is None:
         return None
-    cal = Calibration.load(CALIBRATION)
     over = {**IO_1P1D_OVERRIDES, "target": {"gpu": "h800", "model": PROJECTION_MODEL}}
     out: dict = {"model": PROJECTION_MODEL, "agents": PROJECTION_AGENTS, "calibration": str(CALIBRATION.name),
                  "append": [], "gen": []}
@@ -120,13 +118,13 @@ def projection() -> dict | None:
             w = WorkloadSpec(preset="64K", scale=PAPER_SCALE, agents=PROJECTION_AGENTS, **{knob: float(sc)})
             cfg = RunConfig(f"fig9/projection/{side}x{sc}", TOPOLOGY, ("basic", "dualpath"), w, topology_overrides=over)
             if cfg.digest() not in done:
-                sc_cfg = sim_config(cfg.topology_obj(), Geometry(), cal=cal)
-                res = simulate(sc_cfg, trajectories(w.config(), sc_cfg.dilation), cfg.modes)
-                j = {m: r.jct_s / sc_cfg.dilation for m, r in res.items()}
-                done[cfg.digest()] = {"scale": sc, "jct_s": j, "speedup": ratio(j["basic"], j["dualpath"]),
-                                      "dilation": sc_cfg.dilation, "testbed_s": sum(r.jct_s for r in res.values())}
+                sim = projection_.simulate_config(cfg, cal)
+                j = sim["jct_s"]
+                done[cfg.digest()] = {"scale": sc, **sim, "speedup": ratio(j["basic"], j["dualpath"])}
             out[side].append(done[cfg.digest()])
     testbed = RunConfig("x", TOPOLOGY, ("basic",), WorkloadSpec(), topology_overrides=dict(IO_1P1D_OVERRIDES))
+    from testbed.sim import Geometry
+
     out["testbed_dilation"] = testbed.topology_obj().dilation(Geometry().kv_bytes_per_token)
     return out
 
