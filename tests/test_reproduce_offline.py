@@ -61,13 +61,6 @@ def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
     assert "## Projection: MaxLen 64K at its full turn counts, simulated" in (out / "report.md").read_text()
 
 
-def test_fig7_without_the_calibration_has_no_projection(tmp_path, monkeypatch):
-    monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")
-    runs_for_plan(tmp_path / "runs", module("fig7").plan(True), fig7_jct)
-    out, _ = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
-    assert summary(out)["projection"] is None and "Projection" not in (out / "report.md").read_text()
-
-
 def test_fig7_unfaithful_when_one_run_is(tmp_path, monkeypatch):
     monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")  # no projection
     plan = module("fig7").plan(True)
@@ -165,10 +158,11 @@ def test_fig9_speedups_and_their_trend(tmp_path, monkeypatch):
     assert "## Projection: the paper's model, simulated" in (out / "report.md").read_text()
 
 
-def test_fig9_without_the_calibration_has_no_projection(tmp_path, monkeypatch):
-    monkeypatch.setattr(module("fig9"), "CALIBRATION", tmp_path / "none.json")
-    runs_for_plan(tmp_path / "runs", module("fig9").plan(True), fig9_jct)
-    out, _ = reproduce_id("fig9", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+@pytest.mark.parametrize("fig", ["fig7", "fig9"])
+def test_without_the_calibration_a_figure_has_no_projection(tmp_path, monkeypatch, fig):
+    monkeypatch.setattr(module(fig), "CALIBRATION", tmp_path / "none.json")
+    runs_for_plan(tmp_path / "runs", module(fig).plan(True), {"fig7": fig7_jct, "fig9": fig9_jct}[fig])
+    out, _ = reproduce_id(fig, quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     assert summary(out)["projection"] is None and "Projection" not in (out / "report.md").read_text()
 
 
