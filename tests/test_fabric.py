@@ -150,14 +150,26 @@ def test_runner_killed_leaves_nothing_after_clean(no_leftovers, how):
     assert not Path(f"/proc/{stray}").exists() or _is_zombie(stray)
 
 
-def test_up_refuses_over_leftovers(no_leftovers):
+def test_up_refuses_over_a_live_testbed_and_over_leftovers(no_leftovers):
+    """A second bring-up names the live one's owner; with no owner, it names what a dead run
+    left and points at `dualpath clean`. Nothing is built over either, and the refused command
+    leaves no claim behind."""
+    from testbed import rundir
+
     p = _start_runner()
     try:
         r = dualpath("up", str(TOPO), "--hold", "1")
-        assert r.returncode == 2 and "dualpath clean" in r.stderr
+        assert r.returncode == 1 and f"already up, owned by pid {p.pid}" in r.stderr, r.stderr
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=30)
+    run(["ip", "netns", "add", f"{PREFIX}-zleft"])
+    try:
+        r = dualpath("up", str(TOPO), "--hold", "1")
+        assert r.returncode == 1 and "leftovers of an earlier run exist (1 namespaces)" in r.stderr, r.stderr
+        assert "dualpath clean" in r.stderr and not rundir.RUN_DIR.exists()
+    finally:
+        run(["ip", "netns", "del", f"{PREFIX}-zleft"], check=False)
 
 
 def test_non_root_user_gets_a_clear_message():
