@@ -511,6 +511,8 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
                                           "(--runs) per configuration and mode"),
             runs: Optional[list[Path]] = typer.Option(None, "--runs", help="with --validate: testbed run folders; "
                                                       "repeatable"),
+            replicas: int = typer.Option(8, min=1, max=100, help="with --validate: simulations per configuration "
+                                         "(seeds 0, 1, ...) whose mean is compared, when the calibration has jitter"),
             quick: bool = typer.Option(False, "--quick", help="with --calibrate: fewer fit iterations"),
             out: Path = typer.Option(Path("results/sim"), help="where the run's folder goes")) -> None:
     """Simulate a cluster (emulators/sim): the testbed's scheduler and cost model at any scale."""
@@ -558,7 +560,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         except RunError as e:
             _fail(f"sim --validate: {e}")
         folder, agg = validate_to_folder(loaded, cal, out / "validate" / time.strftime("%Y%m%d-%H%M%S"), command,
-                                         typer.echo)
+                                         typer.echo, replicas)
         typer.echo(f"mean |JCT error| {agg['mean_jct_err']}, max {agg['max_jct_err']}, held out mean "
                    f"{agg['held_out_mean_jct_err']}; targets {'met' if agg['meets_targets'] else 'NOT met'}")
         typer.echo(f"results: {folder}/summary.json, report.md, scatter.png")

@@ -165,7 +165,8 @@ def mode_summary(res: SimResult, cfg: SimConfig, p: int, d: int) -> dict[str, An
             "cores_at_cluster_speed": round(sched["decision_s"] / sim_emulated_s, 5) if sim_emulated_s else None},
         "decode": {"segments": res.decode_segments, "steps": res.decode_steps,
                    "mean_batch": round(res.decode_step_tokens / res.decode_steps, 2) if res.decode_steps else None},
-        "simulation": {"wall_s": round(res.wall_s, 2), "network_events": res.events, **res.network},
+        "simulation": {"wall_s": round(res.wall_s, 2), "network_events": res.events, "seed": cfg.seed,
+                       "latency_jitter": cfg.calibration.jitter, **res.network},
     }
 
 

@@ -17,7 +17,10 @@ both), in three steps:
      match, per mode, the mean time from arrival to the read (routing), of prefill (from the read's
      end to the first token), from the first token to the second (the P->D hand-over), per token
      after it, and from the last token to the request's end (write-back), plus the mode's JCT and
-     TTFT p50, all as relative errors.
+     TTFT p50, all as relative errors, every latency exactly its value;
+  4. the latencies' jitter (how much each varies from one message to the next), by bisection: the
+     simulated requests' routing and write-back stages must vary from one request to the next as
+     much as the testbed's do.
 The result is written with the runs it came from (path, command, topology, APS, dilation, a digest
 of each summary.json), the residuals and the time the fit took.
 
@@ -63,6 +66,10 @@ MEDIAN_GAP = 0.5
 # prediction moves: a row whose band is wider than its target is decided by the order of events
 # (e.g. which request round-robin sends to which side), not by the model's rates.
 SPREAD_STEP = 0.1
+# With the calibration's jitter, a row's simulated value is the mean of this many simulations (seeds
+# 0, 1, ...): an offline JCT is a max over agents' noisy chains, one draw of which moves by about
+# as much as the testbed's own repeats do.
+REPLICAS = 8
 # below this many KV bytes through the storage NICs (oracle: control frames only) a mode has no
 # SNIC balance to compare
 MIN_SNIC_BYTES = 1 << 20
@@ -74,8 +81,8 @@ def _get(r, k):
     return r[k] if isinstance(r, dict) else getattr(r, k)
 
 
-def stages(records: Sequence) -> dict[str, float | None]:
-    """Mean seconds per stage of a mode's requests (testbed records or simulated ones alike)."""
+def stage_samples(records: Sequence) -> dict[str, list[float]]:
+    """Seconds per stage of each of a mode's requests (testbed records or simulated ones alike)."""
     acc: dict[str, list[float]] = {k: [] for k in STAGES}
     for r in records:
         if _get(r, "error"):
@@ -91,7 +98,21 @@ def stages(records: Sequence) -> dict[str, float | None]:
             acc["tpot"].append((tt[-1] - tt[1]) / (len(tt) - 2))
         if tt:
             acc["writeback"].append(_get(r, "t_done") - tt[-1])
-    return {k: (statistics.fmean(v) if v else None) for k, v in acc.items()}
+    return acc
+
+
+def stages(records: Sequence) -> dict[str, float | None]:
+    """Mean seconds per stage of a mode's requests."""
+    return {k: (statistics.fmean(v) if v else None) for k, v in stage_samples(records).items()}
+
+
+def dispersion(values: Sequence[float]) -> float | None:
+    """How much `values` vary, robustly: the interquartile range over 1.349 (a normal law's
+    standard deviation) relative to the median; None with fewer than 8 values or a zero median."""
+    if len(values) < 8:
+        return None
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / 1.349 / q[1] if q[1] > 0 else None
 
 
 # --------------------------------------------------------------------------- the run's configuration
@@ -216,10 +237,20 @@ def _targets(run: Run, modes: Sequence[str]) -> dict[str, dict[str, float | None
 WEIGHTS = {"route": 1.0, "prefill": 1.0, "handover": 1.0, "tpot": 1.0, "writeback": 0.5, "jct": 3.0, "ttft_p50": 2.0}
 
 
-def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
-    cfg = sim_config(topo, run_geometry(run), cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
+def _run_sim(run: Run, cal: Calibration, seed: int = 0, modes: Sequence[str] | None = None,
+             topo: Topology | None = None):
+    """`run`'s configuration in the simulator: (its results per mode, the SimConfig, the topology,
+    the workload)."""
+    topo = topo or run_topology(run)
+    cfg = replace(sim_config(topo, run_geometry(run), cal=cal, quota_s=float(run.summary.get("quota_s", 0.3))),
+                  seed=seed)
     wcfg = workload_of_run(run.summary)
-    res = simulate(cfg, trajectories(wcfg, cfg.dilation, aps=run.aps, arrival_seed=arrival_seed(run)), modes)
+    trajs = trajectories(wcfg, cfg.dilation, aps=run.aps, arrival_seed=arrival_seed(run))
+    return simulate(cfg, trajs, list(modes or run.modes)), cfg, topo, wcfg
+
+
+def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    res, cfg, topo, wcfg = _run_sim(run, cal, modes=modes, topo=topo)
     summ = summarize(res, cfg, topo, wcfg, "testbed")
     out = {}
     for m, r in res.items():
@@ -307,6 +338,11 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
         if not improved:
             break
     cal = cal_of(x)
+    jitter, jitter_fit = fit_jitter(runs, cal)
+    progress(f"  jitter: each latency varies by {jitter:.2f} (relative sd) from one message to the next: the "
+             f"{' and '.join(JITTER_STAGES)} stages then vary {jitter_fit.get('sim_mean_dispersion')} (testbed "
+             f"{jitter_fit.get('testbed_mean_dispersion')}, without jitter {jitter_fit.get('sim_mean_dispersion_without_jitter')})")
+    cal = replace(cal, jitter=jitter)
     residual_table = {}
     for final, (run, _, tgt) in zip(sims(x), fits):
         residual_table[run_label(run)] = {
@@ -318,8 +354,75 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
               "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
               "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
               "relative_error_per_run_and_mode": residual_table, "host_fit": host_fit, "io_evidence": io_evidence,
-              "weights": WEIGHTS}
+              "weights": WEIGHTS, "jitter_fit": jitter_fit}
     return Calibration(**{**cal.to_dict(), "source": source})
+
+
+# --------------------------------------------------------------------------- 4. jitter
+
+# The stages made of the software's latencies (and the queues the simulator has): how much they vary
+# from one request to the next measures how much one latency varies from one message to the next.
+JITTER_STAGES = ("route", "writeback")
+JITTER_SEEDS = 3
+JITTER_MAX = 4.0
+
+
+def _stage_dispersions(records_per_mode: dict[str, Sequence]) -> dict[tuple[str, str], float]:
+    out = {}
+    for m, recs in records_per_mode.items():
+        smp = stage_samples(recs)
+        for k in JITTER_STAGES:
+            d = dispersion(smp[k])
+            if d is not None:
+                out[(m, k)] = d
+    return out
+
+
+def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
+               iterations: int = 10) -> tuple[float, dict[str, Any]]:
+    """Step 4: the latencies' jitter, by bisection on [0, JITTER_MAX]: the simulated requests'
+    JITTER_STAGES must vary from one request to the next (dispersion) as much as the testbed's, on
+    average over every run, mode and stage (each simulated dispersion a mean over `seeds`)."""
+    tb = {(i, *k): d for i, run in enumerate(runs)
+          for k, d in _stage_dispersions({m: run.records(m) for m in run.modes}).items()}
+    if not tb:
+        return 0.0, {"note": f"too few requests per mode to measure the {'/'.join(JITTER_STAGES)} stages' dispersion"}
+
+    def simulated(sd: float) -> dict[tuple, float]:
+        acc: dict[tuple, list[float]] = {}
+        for i, run in enumerate(runs):
+            for seed in range(seeds):
+                res = _run_sim(run, replace(cal, jitter=sd), seed)[0]
+                for k, d in _stage_dispersions({m: r.records for m, r in res.items()}).items():
+                    acc.setdefault((i, *k), []).append(d)
+        return {k: statistics.fmean(v) for k, v in acc.items()}
+
+    def gap(sd: float) -> tuple[float, dict[tuple, float]]:
+        sim = simulated(sd)
+        keys = [k for k in tb if k in sim]
+        return statistics.fmean(sim[k] - tb[k] for k in keys), sim
+
+    lo, hi = 0.0, JITTER_MAX
+    g0, sim = gap(lo)
+    if g0 >= 0:
+        sd = 0.0
+    elif gap(hi)[0] < 0:
+        sd, sim = hi, gap(hi)[1]
+    else:
+        for _ in range(iterations):
+            mid = (lo + hi) / 2
+            g, s_mid = gap(mid)
+            if g < 0:
+                lo = mid
+            else:
+                hi, sim = mid, s_mid
+        sd = hi
+    keys = [k for k in tb if k in sim]
+    return round(sd, 4), {
+        "stages": list(JITTER_STAGES), "seeds": seeds, "dispersion": "interquartile range / 1.349 / median",
+        "testbed_mean_dispersion": round(statistics.fmean(tb[k] for k in keys), 4),
+        "sim_mean_dispersion": round(statistics.fmean(sim[k] for k in keys), 4),
+        "sim_mean_dispersion_without_jitter": round(statistics.fmean(tb[k] for k in keys) + g0, 4)}
 
 
 def calibrated_on(cal: Calibration) -> set[tuple[str, bool]]:
@@ -349,45 +452,93 @@ def median_gap(values: Sequence[float]) -> tuple[float, float, float] | None:
     return q["p45"], q["p55"], (q["p55"] - q["p45"]) / q["p50"] if q["p50"] else math.inf
 
 
-def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def config_key(run: Run) -> str:
+    """What runs of one configuration share (repeats of it differ only by the order of events):
+    topology, geometry, workload, arrivals, quota."""
+    return json.dumps([run_label(run), repr(run_geometry(run)), repr(workload_of_run(run.summary)),
+                       arrival_seed(run), run.summary.get("quota_s")])
+
+
+def group_repeats(runs: Sequence[Run]) -> list[list[Run]]:
+    """`runs` by configuration, in the order each first appears."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(config_key(run), []).append(run)
+    return list(groups.values())
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.fmean(xs), 6) if xs else None
+
+
+def _sd(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.stdev(xs), 6) if len(xs) > 1 else None
+
+
+METRICS = {"jct_s": lambda v: v["jct_s"], "ttft_p50": lambda v: v["ttft_s"]["p50"],
+           "ttft_p99": lambda v: v["ttft_s"]["p99"], "tpot_p50": lambda v: v["tpot_s"]["p50"],
+           "snic": lambda v: v.get("snic_max_over_avg"), "agent_jct_mean": lambda v: (v.get("agent_jct_s") or {}).get("mean")}
+
+
+def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = print,
+                 replicas: int = REPLICAS) -> list[dict[str, Any]]:
     """Per mode of one testbed run, the simulator's errors against it."""
+    return validate_config([run], cal, progress, replicas)
+
+
+def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[str], None] = print,
+                    replicas: int = REPLICAS) -> list[dict[str, Any]]:
+    """Per mode of one configuration's testbed runs (its repeats: the mean of those with the mode),
+    the simulator's errors: with the calibration's jitter, against the mean of `replicas` simulations
+    of seeds 0, 1, ...; without it, against the one simulation there is."""
+    run = runs[0]
     topo = run_topology(run)
-    geom = run_geometry(run)
-    cfg = sim_config(topo, geom, cal=cal, quota_s=float(run.summary.get("quota_s", 0.3)))
-    wcfg = workload_of_run(run.summary)
-    aps = run.aps
-    modes = run.modes
-    trajs = trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=arrival_seed(run))
-    res = simulate(cfg, trajs, modes)
-    summ = summarize(res, cfg, topo, wcfg, "testbed")
-    nudged = [summarize(simulate(sim_config(topo, geom, cal=c, quota_s=cfg.quota_s), trajs, modes), cfg, topo, wcfg,
-                        "testbed")["modes"] for c in nudged_calibrations(cal)]
-    held_out = (run.topology, bool(aps)) not in calibrated_on(cal)
+    modes = list(dict.fromkeys(m for r in runs for m in r.modes))
+    n = max(1, replicas) if cal.jitter else 1
+    sims = [_run_sim(run, cal, seed, modes, topo) for seed in range(n)]
+    cfg = sims[0][1]
+    summs = [summarize(*x, "testbed")["modes"] for x in sims]
+    # the band: each nudged calibration's one simulation (seed 0), beside the calibration's own
+    nudged = [summarize(*_run_sim(run, c, 0, modes, topo), "testbed")["modes"] for c in nudged_calibrations(cal)]
+    held_out = (run.topology, bool(run.aps)) not in calibrated_on(cal)
     rows = []
     for m in modes:
-        t, s = run.mode(m), summ["modes"][m]
-        band = [s, *(n[m] for n in nudged)]
-        snic_bytes = sum(r["measured"] for r in t.get("kv_bytes_vs_expected", {}).get("per_direction", [])
-                         if r["nic"].endswith("/snic") and r["dir"] == "rx")
-        t_bal, s_bal = t.get("snic_max_over_avg"), s.get("snic_max_over_avg")
-        bal = None if snic_bytes < MIN_SNIC_BYTES or t_bal is None or s_bal is None else round(s_bal - t_bal, 4)
+        mine = [r for r in runs if m in r.modes]
+        tv = [r.mode(m) for r in mine]
+        t = {k: _mean(f(v) for v in tv) for k, f in METRICS.items()}
+        sv = {k: [f(x[m]) for x in summs] for k, f in METRICS.items()}
+        s = {k: _mean(v) for k, v in sv.items()}
+        band = [summs[0][m], *(x[m] for x in nudged)]
+        snic_bytes = min(sum(r["measured"] for r in v.get("kv_bytes_vs_expected", {}).get("per_direction", [])
+                             if r["nic"].endswith("/snic") and r["dir"] == "rx") for v in tv)
+        bal = (None if snic_bytes < MIN_SNIC_BYTES or any(METRICS["snic"](v) is None for v in tv)
+               or any(x is None for x in sv["snic"]) else round(s["snic"] - t["snic"], 4))
         rows.append({
             "config": run_label(run), "mode": m, "held_out": held_out,
-            "faithful": bool(t.get("faithful")), "run": str(run.path),
-            "jct_s": {"testbed": t["jct_s"], "sim": s["jct_s"]}, "jct_err": _rel(s["jct_s"], t["jct_s"]),
-            "ttft_p50_s": {"testbed": t["ttft_s"]["p50"], "sim": s["ttft_s"]["p50"]},
-            "ttft_p50_err": _rel(s["ttft_s"]["p50"], t["ttft_s"]["p50"]),
-            "ttft_p99_err": _rel(s["ttft_s"]["p99"], t["ttft_s"]["p99"]),
-            "tpot_p50_err": _rel(s["tpot_s"]["p50"], t["tpot_s"]["p50"]),
-            "snic_max_over_avg": {"testbed": t_bal, "sim": s_bal}, "snic_balance_diff": bal,
-            **_median_modes(run.records(m), res[m].records, run.dilation / cfg.dilation),
+            "faithful": all(bool(v.get("faithful")) for v in tv), "run": str(mine[0].path),
+            "runs": [str(r.path) for r in mine], "replicas": n,
+            "jct_s": {"testbed": t["jct_s"], "sim": s["jct_s"], "testbed_runs": [METRICS["jct_s"](v) for v in tv],
+                      "sim_sd": _sd(sv["jct_s"])},
+            "jct_err": _rel(s["jct_s"], t["jct_s"]),
+            "ttft_p50_s": {"testbed": t["ttft_p50"], "sim": s["ttft_p50"],
+                           "testbed_runs": [METRICS["ttft_p50"](v) for v in tv], "sim_sd": _sd(sv["ttft_p50"])},
+            "ttft_p50_err": _rel(s["ttft_p50"], t["ttft_p50"]),
+            "ttft_p99_err": _rel(s["ttft_p99"], t["ttft_p99"]),
+            "tpot_p50_err": _rel(s["tpot_p50"], t["tpot_p50"]),
+            "snic_max_over_avg": {"testbed": t["snic"], "sim": s["snic"]}, "snic_balance_diff": bal,
+            **_median_modes([x for r in mine for x in r.records(m)], [x for r, *_ in sims for x in r[m].records],
+                            run.dilation / cfg.dilation),
             "jct_spread": spread([b["jct_s"] for b in band], t["jct_s"]),
-            "ttft_p50_spread": spread([b["ttft_s"]["p50"] for b in band], t["ttft_s"]["p50"]),
-            "agent_jct_mean_err": _rel((s.get("agent_jct_s") or {}).get("mean"), (t.get("agent_jct_s") or {}).get("mean")),
-            "sim_wall_s": s["simulation"]["wall_s"]})
-        progress(f"  {rows[-1]['config']:>10} {m:<12} JCT {_pct(rows[-1]['jct_err'])}  TTFT p50 {_pct(rows[-1]['ttft_p50_err'])}"
-                 f"  p99 {_pct(rows[-1]['ttft_p99_err'])}  TPOT {_pct(rows[-1]['tpot_p50_err'])}  SNIC {_diff(bal)}"
-                 f"{'' if held_out else '  (calibration)'}")
+            "ttft_p50_spread": spread([b["ttft_s"]["p50"] for b in band], t["ttft_p50"]),
+            "agent_jct_mean_err": _rel(s["agent_jct_mean"], t["agent_jct_mean"]),
+            "sim_wall_s": round(sum(x[m]["simulation"]["wall_s"] for x in summs), 2)})
+        r = rows[-1]
+        how = (f"  ({len(mine)} runs" if len(mine) > 1 else "  (1 run") + (f", {n} simulations)" if n > 1 else ")")
+        progress(f"  {r['config']:>10} {m:<12} JCT {_pct(r['jct_err'])}  TTFT p50 {_pct(r['ttft_p50_err'])}"
+                 f"  p99 {_pct(r['ttft_p99_err'])}  TPOT {_pct(r['tpot_p50_err'])}  SNIC {_diff(bal)}"
+                 f"{'' if held_out else '  (calibration)'}{how}")
     return rows
 
 
@@ -500,6 +651,17 @@ def code_lines(codes: dict[str, dict[str, Any] | None]) -> list[str]:
     return lines
 
 
+def ensemble_line(cal: Calibration, rows: list[dict[str, Any]]) -> str:
+    """What a row's two sides are: a mean over the testbed's repeats, a mean over seeded simulations."""
+    n = max((r.get("replicas") or 1 for r in rows), default=1)
+    sim = (f"Each simulated value is the mean of {n} simulations (seeds 0-{n - 1}; sd beside it): the calibration's "
+           f"latencies vary by {cal.jitter:.2f} (relative sd) from one message to the next, as the testbed's do, so "
+           "one simulation is one draw of the order of events." if cal.jitter and n > 1 else
+           "Each simulated value is one simulation (every latency exactly its value).")
+    return (sim + " A configuration run more than once on the testbed (same topology, workload, seeds) is compared "
+            "with the mean of its runs (each in brackets).")
+
+
 def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any],
                  codes: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
     src = cal.source
@@ -508,12 +670,16 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
              f"Calibration: fitted on {fitted} ({src.get('topology')}, dilation {src.get('dilation')}) by "
              f"`{src.get('fitted_by')}`; "
              f"{src.get('simulations')} simulations, rms relative error {src.get('rms_relative_error')}.", "",
-             "| config | mode | held out | JCT testbed | JCT sim | JCT err | TTFT p50 err | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             ensemble_line(cal, rows), "",
+             "| config | mode | held out | runs | JCT testbed | JCT sim | JCT err | TTFT p50 err | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         sb = r["snic_max_over_avg"]
-        lines.append(f"| {r['config']} | {r['mode']} | {'yes' if r['held_out'] else 'no'} | {r['jct_s']['testbed']:.4g} | "
-                     f"{r['jct_s']['sim']:.4g} | {_pct(r['jct_err'])} | {_pct(r['ttft_p50_err'])} | {_pct(r['ttft_p99_err'])} | "
+        tb_runs = r["jct_s"].get("testbed_runs") or []
+        sd = r["jct_s"].get("sim_sd")
+        lines.append(f"| {r['config']} | {r['mode']} | {'yes' if r['held_out'] else 'no'} | {len(tb_runs) or 1} | "
+                     f"{r['jct_s']['testbed']:.4g}{' (' + ' / '.join(f'{x:.4g}' for x in tb_runs) + ')' if len(tb_runs) > 1 else ''} | "
+                     f"{r['jct_s']['sim']:.4g}{f' (sd {sd:.2g})' if sd is not None else ''} | {_pct(r['jct_err'])} | {_pct(r['ttft_p50_err'])} | {_pct(r['ttft_p99_err'])} | "
                      f"{_pct(r['tpot_p50_err'])} | {sb['testbed']} / {sb['sim']}{'' if r['snic_balance_diff'] is not None else ' (n/a: no KV on SNICs)'} |")
     lines += ["", f"Mean |JCT error| {_pct(agg['mean_jct_err'])}, max {_pct(agg['max_jct_err'])}; held out: mean "
                   f"{_pct(agg['held_out_mean_jct_err'])}, max {_pct(agg['held_out_max_jct_err'])}. TTFT p50 max "
@@ -548,16 +714,17 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
 
 
 def validate_to_folder(runs: Sequence[Run], cal: Calibration, folder: Path, command: str,
-                       progress: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+                       progress: Callable[[str], None] = print, replicas: int = REPLICAS) -> tuple[Path, dict[str, Any]]:
     """`dualpath sim --validate`: every run's rows, the aggregate, summary.json, report.md and the
     scatter plot in `folder`."""
     rows: list[dict[str, Any]] = []
-    for run in runs:
-        rows += validate_run(run, cal, progress)
+    for group in group_repeats(runs):
+        rows += validate_config(group, cal, progress, replicas)
     agg = aggregate(rows)
     folder.mkdir(parents=True, exist_ok=True)
     codes = {str(r.path): r.summary.get("code") for r in runs}
     summary = {"command": command, "faithful": agg["all_faithful"], "validation": rows, **agg,
+               "replicas": replicas if cal.jitter else 1,
                "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs], "run_code": codes}
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     scatter(rows, folder / "scatter.png")

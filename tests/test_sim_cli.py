@@ -202,3 +202,69 @@ def test_the_report_names_a_row_whose_prediction_moves_more_than_its_target():
     text = "\n".join(sv.report_lines("cmd", cal, rows, agg))
     assert "1p2d-io dualpath-rr: JCT band +7.7%, TTFT p50 band +20.0%: wider than the target" in text
     assert "1p2d-io dualpath:" not in text and "over the 5 simulations" in text
+
+
+def test_repeats_of_one_configuration_are_compared_as_their_mean(tmp_path):
+    """The testbed's offline JCT moves by ~5 % between two runs of one configuration (the order of
+    events): repeats are grouped by configuration and a row compares the simulation with their mean,
+    listing each; a run of another workload is a configuration of its own."""
+    import shutil
+
+    from emulators.sim.calibration import Calibration
+    from testbed.reproduce.runs import load_run
+
+    src = REPO / "results" / "e2e" / "repeat-1p2d-io-rr-1"
+
+    def copy(name, jct, **workload):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        s = json.loads((d / "summary.json").read_text())
+        s["modes"]["dualpath-rr"]["jct_s"] = jct
+        s["workload"] = {**s["workload"], **workload}
+        (d / "summary.json").write_text(json.dumps(s))
+        return load_run(d)
+
+    a, b = copy("a", 8.0), copy("b", 9.0)
+    other = copy("c", 8.0, n_trajectories=s_traj(src) - 1)
+    groups = sv.group_repeats([a, other, b])
+    assert [[r.path.name for r in g] for g in groups] == [["a", "b"], ["c"]]
+    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json").exact()
+    (rr,) = [r for r in sv.validate_config(groups[0], cal, progress=lambda s: None) if r["mode"] == "dualpath-rr"]
+    assert rr["jct_s"]["testbed"] == 8.5 and rr["jct_s"]["testbed_runs"] == [8.0, 9.0]
+    assert rr["jct_err"] == pytest.approx(rr["jct_s"]["sim"] / 8.5 - 1, abs=1e-4)
+    assert rr["runs"] == [str(a.path), str(b.path)] and rr["replicas"] == 1
+
+
+def s_traj(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())["workload"]["n_trajectories"]
+
+
+def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
+    """Requests simulated with a known jitter stand in for a testbed run's: the fit finds that
+    jitter back from how much their routing and write-back vary; requests of the exact model
+    give 0."""
+    import dataclasses
+    import shutil
+
+    from emulators.sim.calibration import Calibration
+    from testbed.reproduce.runs import load_run
+
+    assert sv.dispersion([1.0] * 10) == 0.0 and sv.dispersion([1.0, 2.0]) is None
+    # quartiles 2.5 and 7.5 (the exclusive method), median 5
+    assert sv.dispersion(list(range(1, 10))) == pytest.approx((7.5 - 2.5) / 1.349 / 5)
+    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json").exact()
+
+    def run_with_records_of(jitter, seed, name):
+        d = tmp_path / name
+        shutil.copytree(REPO / "results" / "e2e" / "repeat-1p2d-io-rr-1", d)
+        s = json.loads((d / "summary.json").read_text())
+        s["modes"] = {"dualpath": s["modes"]["dualpath"]}
+        (d / "summary.json").write_text(json.dumps(s))
+        res = sv._run_sim(load_run(d), dataclasses.replace(cal, jitter=jitter), seed)[0]
+        (d / "records.jsonl").write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in res["dualpath"].records))
+        return load_run(d)
+
+    fitted, how = sv.fit_jitter([run_with_records_of(0.8, 11, "j")], cal, seeds=2, iterations=7)
+    assert fitted == pytest.approx(0.8, abs=0.25), how
+    assert how["sim_mean_dispersion_without_jitter"] < how["testbed_mean_dispersion"]
+    assert sv.fit_jitter([run_with_records_of(0.0, 11, "exact")], cal, seeds=2, iterations=7)[0] == 0.0

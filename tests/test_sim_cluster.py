@@ -198,6 +198,37 @@ def test_latencies_lengthen_the_run():
     assert b > a
 
 
+def test_jitter_draws_factors_of_mean_one_and_the_given_spread_from_the_seed():
+    """A latency varies around its calibrated value, never below 0, with the fitted relative sd;
+    the same seed gives the same draws (a simulation is reproducible), another seed others."""
+    import statistics
+
+    first = sim_cluster._Jitter(0.8, "0:dualpath").factor()
+    j = sim_cluster._Jitter(0.8, "0:dualpath")
+    xs = [j.factor() for _ in range(40_000)]
+    assert xs[0] == first and min(xs) > 0
+    assert statistics.fmean(xs) == pytest.approx(1.0, abs=0.03)
+    assert statistics.pstdev(xs) == pytest.approx(0.8, rel=0.08)
+    assert sim_cluster._Jitter(0.8, "1:dualpath").factor() != xs[0]
+    assert {sim_cluster._Jitter(0.0, "0:x").factor() for _ in range(3)} == {1.0}
+    with pytest.raises(ValueError, match="jitter"):
+        Calibration(jitter=-0.1)
+
+
+def test_jitter_reorders_events_by_seed_and_zero_jitter_is_the_exact_model():
+    """With jitter, a simulation is one draw of the order of events: seeds differ, a seed repeats;
+    jitter 0 ignores the seed."""
+    from dataclasses import replace
+
+    _, cfg, _, trajs = _setup(6, topo="1p2d-io", cal=Calibration(rpc_s=2e-3, flush_fixed_s=3e-3, jitter=1.0))
+    def times(c):
+        return sorted(r.t_done for r in simulate(c, trajs, ["dualpath-rr"])["dualpath-rr"].records)
+    a, b, again = times(cfg), times(replace(cfg, seed=1)), times(cfg)
+    assert a == again and a != b
+    exact = replace(cfg, calibration=cfg.calibration.exact())
+    assert times(exact) == times(replace(exact, seed=1))
+
+
 def test_an_idle_shaped_link_sends_its_htb_bucket_at_once_and_refills_at_its_rate():
     """emulators/nic.py gives every shaped NIC an HTB bucket: after a pause, a flow's first bytes
     (up to the bucket) leave at line rate and the rest at the link's rate. Hand-solved on one SNIC

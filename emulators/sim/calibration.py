@@ -21,6 +21,13 @@ is left are costs of the testbed's implementation that no model of the target pr
                   windows instead of hiding behind them; False is the design (RDMA, layerwise).
   xfer_latency_s  with exposed_io, each transfer's own latency (one READ and one WRITE per
                   request and layer of a pass).
+  jitter          how much one such latency varies from one message to the next on the testbed
+                  (processes sharing a few cores are scheduled late by chance): each is drawn as
+                  its value times a lognormal factor of mean 1 and this relative standard
+                  deviation, from the simulation's seed. 0: every latency exactly its value (one
+                  order of events). An offline JCT is the slowest agent's: a max over noisy chains,
+                  so a simulation without the noise comes out early (a max of means is below the
+                  mean of the max), and round-robin's path draws follow the order of events.
 
 The host's CPU. The testbed's processes share a few cores with the NICs' emulation, and every
 latency above stretches as they fill: a latency is its calibrated value times 1 / (1 - U), U the
@@ -46,7 +53,7 @@ from typing import Any
 
 FIELDS = ("rpc_s", "pass_fixed_s", "step_gap_s", "load_fixed_s", "flush_fixed_s", "compute_efficiency",
           "read_contention_s", "exposed_io", "xfer_latency_s", "cpu_cores", "cpu_base", "cpu_per_compute",
-          "cpu_per_mbps", "pass_cpu", "step_cpu", "cpu_window_s")
+          "cpu_per_mbps", "pass_cpu", "step_cpu", "cpu_window_s", "jitter")
 TIMES = ("rpc_s", "pass_fixed_s", "step_gap_s", "load_fixed_s", "flush_fixed_s", "read_contention_s",
          "xfer_latency_s")
 
@@ -69,6 +76,7 @@ class Calibration:
     pass_cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)
     step_cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cpu_window_s: float = 1.0
+    jitter: float = 0.0  # relative standard deviation of each latency above (0: exact)
     dilation: float = 1.0  # the source run's (provenance: its emulated second in testbed seconds)
     source: dict[str, Any] = field(default_factory=dict)  # the run it was fitted on, and the fit
 
@@ -79,6 +87,8 @@ class Calibration:
                 raise ValueError(f"calibration {k} must be a finite number of seconds >= 0, got {v!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"calibration compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        if not (isinstance(self.jitter, (int, float)) and 0 <= self.jitter < 10):
+            raise ValueError(f"calibration jitter must be a relative standard deviation in [0, 10), got {self.jitter!r}")
         if not self.dilation > 0:
             raise ValueError(f"calibration dilation must be > 0, got {self.dilation!r}")
 
@@ -86,8 +96,13 @@ class Calibration:
         return {k: getattr(self, k) for k in FIELDS}
 
     def without_host(self) -> "Calibration":
-        """The same latencies with the host's CPU model off (a projection: no testbed host)."""
-        return replace(self, cpu_cores=0.0)
+        """The same latencies with the host's CPU model off (a projection: no testbed host, so none of
+        its scheduling noise either)."""
+        return replace(self, cpu_cores=0.0, jitter=0.0)
+
+    def exact(self) -> "Calibration":
+        """The same constants, every latency exactly its value (one order of events)."""
+        return replace(self, jitter=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

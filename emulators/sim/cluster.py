@@ -34,6 +34,7 @@ Nothing here imports the testbed; `testbed.sim` builds a SimConfig from a topolo
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -89,6 +90,7 @@ class SimConfig:
     # HTB's token bucket per shaped NIC kind (snic, cnic, host_port, storage_nic), payload bytes:
     # an idle link's first bytes leave at line rate. Empty: no buckets (the target's own NICs).
     buckets: dict[str, float] = field(default_factory=dict)
+    seed: int = 0  # draws the calibration's latency jitter (none when it is 0)
 
     @property
     def full_block_bytes(self) -> int:
@@ -205,6 +207,19 @@ class _HostCpu:
         u = min(max(busy / c.cpu_cores, 0.0), self.U_MAX)
         self._cache_t, self._cache_f = now, 1.0 / (1.0 - u)
         return self._cache_f
+
+
+class _Jitter:
+    """Lognormal factors of mean 1 and relative standard deviation `sd`, from a seeded stream (a
+    string seed hashes the same in every process): one simulation's draws for its latencies."""
+
+    def __init__(self, sd: float, seed: str):
+        self.sigma = math.sqrt(math.log1p(sd * sd))
+        self.mu = -self.sigma * self.sigma / 2
+        self._rng = random.Random(seed)
+
+    def factor(self) -> float:
+        return math.exp(self._rng.gauss(self.mu, self.sigma)) if self.sigma else 1.0
 
 
 class _Bell:
@@ -397,6 +412,7 @@ class ClusterSim:
         self.env = simpy.Environment()
         self.net = SimNetwork(self.env)
         self.cpu = _HostCpu(self.cal)
+        self._jitter = _Jitter(self.cal.jitter, f"{cfg.seed}:{mode}")
         self.trajectories = trajectories
         self.sched = Scheduler(cfg.profile, path_policy=path_policy, alpha_s=cfg.alpha_s, beta_s=cfg.beta_s,
                                clock=lambda: self.env.now)
@@ -504,8 +520,9 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ network helpers
     def _lat(self, seconds: float):
-        """A latency of the testbed's software, stretched by its host's CPU load now."""
-        return self.env.timeout(seconds * self.cpu.factor(self.env.now))
+        """A latency of the testbed's software, stretched by its host's CPU load now, and varying
+        from one message to the next as the calibration's jitter says."""
+        return self.env.timeout(seconds * self._jitter.factor() * self.cpu.factor(self.env.now))
 
     def shaped(self, link: Link, kind: str) -> Link:
         """`link`, with the HTB bucket of its NIC kind when the config has one."""

@@ -17,10 +17,12 @@ CALIBRATION = Path(__file__).resolve().parents[2] / "results" / "sim" / "calibra
 
 
 def calibration(path: Path = CALIBRATION):
-    """The committed calibration, or None where there is none (a projection is then left out)."""
+    """The committed calibration, or None where there is none (a projection is then left out). A
+    projection is one simulation: every latency exactly its value (no jitter), so one order of
+    events, the same on every machine."""
     from emulators.sim.calibration import Calibration
 
-    return Calibration.load(path) if path.exists() else None
+    return Calibration.load(path).exact() if path.exists() else None
 
 
 def simulate_config(cfg: RunConfig, cal) -> dict[str, Any]:
