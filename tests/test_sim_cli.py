@@ -64,7 +64,7 @@ def test_stages_split_a_request_into_its_phases():
     r = {"error": "", "t_arrive": 0.0, "t_read_start": 1.0, "t_read_end": 2.0, "t_prefill_start": 2.0,
          "t_first_token": 3.5, "token_times": [3.5, 4.0, 4.2, 4.4], "t_done": 5.0}
     st = sv.stages([r])
-    assert st == pytest.approx({"route": 1.0, "prefill": 1.5, "handover": 0.5, "tpot": 0.2, "writeback": 0.6})
+    assert st == pytest.approx({"route": 1.0, "read": 1.0, "prefill": 1.5, "handover": 0.5, "tpot": 0.2, "writeback": 0.6})
 
 
 def test_aggregate_judges_the_targets_and_the_held_out_rows_apart():
