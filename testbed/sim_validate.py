@@ -614,14 +614,23 @@ def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
                 continue
             xs.append(a)
             ys.append(b)
+            runs = r[key].get("testbed_runs") or []
+            if r[key].get("sim_sd") or len(runs) > 1:  # the simulations' sd; the testbed runs' range
+                ax.errorbar([a], [b], yerr=r[key].get("sim_sd"),
+                            xerr=[[a - min(runs)], [max(runs) - a]] if len(runs) > 1 else None,
+                            color=plots.color(r["mode"]), lw=0.8, capsize=2, zorder=1)
             ax.scatter([a], [b], color=plots.color(r["mode"]), marker="o" if r["held_out"] else "s",
-                       s=34, edgecolors="black" if not r["held_out"] else "none", linewidths=0.6)
+                       s=34, edgecolors="black" if not r["held_out"] else "none", linewidths=0.6, zorder=2)
         lo, hi = min(xs + ys) * 0.9, max(xs + ys) * 1.1
         ax.plot([lo, hi], [lo, hi], color="#444444", lw=0.8)
         ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="#bbbbbb", alpha=0.3, lw=0,
                         label="within 5 %")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain seconds at 1, 2, 5 x 10^k, not powers of ten
+            axis.set_major_locator(plots.mticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(plots.mticker.FormatStrFormatter("%g"))
+            axis.set_minor_formatter(plots.mticker.NullFormatter())
         ax.set_xlabel(f"testbed {what} (emulated s)")
         ax.set_ylabel(f"simulated {what} (emulated s)")
         ax.set_title(f"{what}: simulated against measured")
@@ -633,7 +642,8 @@ def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
     handles.append(Line2D([], [], marker="s", ls="", color="white", markeredgecolor="black", label="calibration config"))
     axes[1].legend(handles=handles, loc="upper left", fontsize=7)
     plots.caption(fig, "Each point is one mode of one testbed configuration; squares are the configuration the "
-                       "simulator was calibrated on, circles are held out. The band is +-5 %.")
+                       "simulator was calibrated on, circles are held out. The band is +-5 %. Bars: the simulations' "
+                       "standard deviation (vertical) and the range of a configuration's testbed runs (horizontal).")
     return plots.save(fig, path)
 
 
@@ -694,7 +704,8 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
         lines += code_lines(codes) + [""]
     wide = [r for r in rows if (r.get("jct_spread") or 0) > TARGETS["max_jct_err"]
             or (r.get("ttft_p50_spread") or 0) > TARGETS["ttft_p50_err"]]
-    lines += [f"Sensitivity: each fitted latency moved by {SPREAD_STEP:.0%}, one at a time, moves a row's "
+    lines += [f"Sensitivity: each fitted latency moved by {SPREAD_STEP:.0%}, one at a time (one simulation each, "
+              f"seed 0{', jitter on' if cal.jitter else ''}), moves a row's "
               f"prediction at most {_pct(agg.get('max_jct_spread')).strip()} (JCT) and "
               f"{_pct(agg.get('max_ttft_p50_spread')).strip()} (TTFT p50), max - min over the "
               f"{2 * len([f for f in LATENCIES if getattr(cal, f)]) + 1} simulations, relative to the testbed."]
