@@ -21,7 +21,9 @@ both), in three steps:
      TTFT p50, all as relative errors, every latency exactly its value;
   4. the latencies' jitter (how much each varies from one message to the next), by bisection: the
      simulated requests' routing and write-back stages must vary from one request to the next as
-     much as the testbed's do.
+     much as the testbed's do; then step 3 again with that jitter, each simulation a mean over
+     FIT_SEEDS seeds (jitter lengthens an offline run's slowest chain, so latencies fitted without
+     it come out long), and the jitter once more for the new latencies.
 The result is written with the runs it came from (path, command, topology, APS, dilation, a digest
 of each summary.json), the residuals and the time the fit took.
 
@@ -252,16 +254,25 @@ def _run_sim(run: Run, cal: Calibration, seed: int = 0, modes: Sequence[str] | N
     return simulate(cfg, trajs, list(modes or run.modes)), cfg, topo, wcfg
 
 
-def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str]) -> dict[str, dict[str, float | None]]:
-    res, cfg, topo, wcfg = _run_sim(run, cal, modes=modes, topo=topo)
-    summ = summarize(res, cfg, topo, wcfg, "testbed")
-    out = {}
-    for m, r in res.items():
-        st = stages(r.records)
-        st["jct"] = r.jct_s
-        st["ttft_p50"] = summ["modes"][m]["ttft_s"]["p50"] * cfg.dilation
-        out[m] = st
-    return out
+def _sim_stages(topo: Topology, run: Run, cal: Calibration, modes: Sequence[str],
+                seeds: int = 1) -> dict[str, dict[str, float | None]]:
+    """Per mode, the mean stages, JCT and TTFT p50 of `run`'s configuration simulated (testbed
+    seconds): with jitter, each a mean over seeds 0 .. seeds-1."""
+    per_seed = []
+    for seed in range(seeds if cal.jitter else 1):
+        res, cfg, topo, wcfg = _run_sim(run, cal, seed, modes, topo)
+        summ = summarize(res, cfg, topo, wcfg, "testbed")
+        out = {}
+        for m, r in res.items():
+            st = stages(r.records)
+            st["jct"] = r.jct_s
+            st["ttft_p50"] = summ["modes"][m]["ttft_s"]["p50"] * cfg.dilation
+            out[m] = st
+        per_seed.append(out)
+    if len(per_seed) == 1:
+        return per_seed[0]
+    return {m: {k: (None if any(x[m][k] is None for x in per_seed) else statistics.fmean(x[m][k] for x in per_seed))
+                for k in per_seed[0][m]} for m in per_seed[0]}
 
 
 def _residuals(sim: dict, tgt: dict) -> np.ndarray:
@@ -278,6 +289,46 @@ def _residuals(sim: dict, tgt: dict) -> np.ndarray:
 def run_label(run: Run) -> str:
     """A run's configuration in tables: its topology, and its APS when online."""
     return config_name(run) + (f"@{run.aps:g}aps" if run.aps else "")
+
+
+def _levenberg_marquardt(res_of: Callable[[np.ndarray], np.ndarray], x: np.ndarray, iterations: int,
+                         progress: Callable[[str], None]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Minimise |res_of(x)|^2 over x >= 0 (forward-difference Jacobian): (x, its residuals, the
+    simulations it took)."""
+    r = res_of(x)
+    lam = 1e-2
+    evals = 1
+    for it in range(iterations):
+        J = np.zeros((len(r), len(x)))
+        for i in range(len(x)):
+            h = max(2e-5, 0.05 * abs(x[i]))
+            xp = x.copy()
+            xp[i] += h
+            J[:, i] = (res_of(xp) - r) / h
+            evals += 1
+        g = J.T @ r
+        A = J.T @ J
+        # a latency at 0 that the gradient pushes below 0 stays there: the step is solved over the
+        # others (else clipping it afterwards leaves the others where a negative latency wanted them)
+        free = ~((x <= 0) & (g > 0))
+        if not free.any():
+            break
+        Af, gf = A[np.ix_(free, free)], g[free]
+        improved = False
+        for _ in range(6):
+            step = np.zeros_like(x)
+            step[free] = np.linalg.solve(Af + lam * np.diag(np.diag(Af) + 1e-12), -gf)
+            xn = np.maximum(x + step, 0.0)
+            rn = res_of(xn)
+            evals += 1
+            if rn @ rn < r @ r:
+                x, r, lam, improved = xn, rn, lam / 3, True
+                break
+            lam *= 4
+        progress(f"  fit iteration {it + 1}: rms relative error {math.sqrt(r @ r / len(r)):.4f}")
+        if not improved:
+            break
+    return x, r, evals
 
 
 def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,
@@ -303,49 +354,32 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
     fits = [(run, run_topology(run), _targets(run, list(run.modes))) for run in runs]
     x = np.array([INITIAL[k] for k in LATENCIES])
 
+    jitter = 0.0
+
     def cal_of(v: np.ndarray) -> Calibration:
         return Calibration(**{k: float(max(0.0, a)) for k, a in zip(LATENCIES, v)}, exposed_io=exposed,
-                           dilation=runs[0].dilation, **host)
+                           dilation=runs[0].dilation, jitter=jitter, **host)
 
     def sims(v: np.ndarray) -> list[dict]:
         c = cal_of(v)
-        return [_sim_stages(topo, run, c, list(tgt)) for run, topo, tgt in fits]
+        return [_sim_stages(topo, run, c, list(tgt), FIT_SEEDS) for run, topo, tgt in fits]
 
     def res_of(v: np.ndarray) -> np.ndarray:
         return np.concatenate([_residuals(sim, tgt) for sim, (_, _, tgt) in zip(sims(v), fits)])
 
-    r = res_of(x)
-    lam = 1e-2
-    evals = 1
-    for it in range(iterations):
-        J = np.zeros((len(r), len(x)))
-        for i in range(len(x)):
-            h = max(2e-5, 0.05 * abs(x[i]))
-            xp = x.copy()
-            xp[i] += h
-            J[:, i] = (res_of(xp) - r) / h
-            evals += 1
-        g = J.T @ r
-        A = J.T @ J
-        improved = False
-        for _ in range(6):
-            step = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
-            xn = np.maximum(x + step, 0.0)
-            rn = res_of(xn)
-            evals += 1
-            if rn @ rn < r @ r:
-                x, r, lam, improved = xn, rn, lam / 3, True
-                break
-            lam *= 4
-        progress(f"  fit iteration {it + 1}: rms relative error {math.sqrt(r @ r / len(r)):.4f}")
-        if not improved:
+    x, r, evals = _levenberg_marquardt(res_of, x, iterations, progress)
+    for rnd in range(2):  # the jitter for these latencies, then the latencies again with it (and its jitter)
+        jitter, jitter_fit = fit_jitter(runs, replace(cal_of(x), jitter=0.0))
+        progress(f"  jitter: each latency varies by {jitter:.2f} (relative sd) from one message to the next: the "
+                 f"{' and '.join(JITTER_STAGES)} stages then vary {jitter_fit.get('sim_mean_dispersion')} (testbed "
+                 f"{jitter_fit.get('testbed_mean_dispersion')}, without jitter "
+                 f"{jitter_fit.get('sim_mean_dispersion_without_jitter')})")
+        if rnd or not jitter:
             break
+        progress(f"  the latencies again, with the jitter (each simulation a mean over {FIT_SEEDS} seeds):")
+        x, r, more = _levenberg_marquardt(res_of, x, iterations, progress)
+        evals += more
     cal = cal_of(x)
-    jitter, jitter_fit = fit_jitter(runs, cal)
-    progress(f"  jitter: each latency varies by {jitter:.2f} (relative sd) from one message to the next: the "
-             f"{' and '.join(JITTER_STAGES)} stages then vary {jitter_fit.get('sim_mean_dispersion')} (testbed "
-             f"{jitter_fit.get('testbed_mean_dispersion')}, without jitter {jitter_fit.get('sim_mean_dispersion_without_jitter')})")
-    cal = replace(cal, jitter=jitter)
     residual_table = {}
     for final, (run, _, tgt) in zip(sims(x), fits):
         residual_table[run_label(run)] = {
@@ -367,6 +401,9 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
 # from one request to the next measures how much one latency varies from one message to the next.
 JITTER_STAGES = ("route", "writeback")
 JITTER_SEEDS = 3
+# With jitter, each simulation of the latencies' fit is a mean over this many seeds (common to every
+# step, so a step's change is the latencies', not the draws')
+FIT_SEEDS = 3
 JITTER_MAX = 4.0
 
 

@@ -60,6 +60,17 @@ def test_nnls_recovers_nonnegative_coefficients():
     assert sv._nnls(X, y - 0.1 * X[:, 1])[1] == 0.0
 
 
+def test_levenberg_marquardt_finds_the_nonnegative_least_squares_point():
+    """The latencies' fit: residuals (x0 - 0.3, x1 + 0.2, x0 + x1 - 0.1) are least at x1 = -0.25,
+    which no latency can be; held at 0, x0 = 0.2 is the best."""
+    def res(x):
+        return np.array([x[0] - 0.3, x[1] + 0.2, x[0] + x[1] - 0.1])
+
+    x, r, evals = sv._levenberg_marquardt(res, np.array([1.0, 1.0]), 30, progress=lambda s: None)
+    assert x == pytest.approx([0.2, 0.0], abs=1e-3) and evals > 3
+    assert r == pytest.approx(res(x))
+
+
 def test_stages_split_a_request_into_its_phases():
     r = {"error": "", "t_arrive": 0.0, "t_read_start": 1.0, "t_read_end": 2.0, "t_prefill_start": 2.0,
          "t_first_token": 3.5, "token_times": [3.5, 4.0, 4.2, 4.4], "t_done": 5.0}
