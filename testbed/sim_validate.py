@@ -570,6 +570,7 @@ def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[s
             "snic_max_over_avg": {"testbed": t["snic"], "sim": s["snic"]}, "snic_balance_diff": bal,
             **_median_modes([x for r in mine for x in r.records(m)], [x for r, *_ in sims for x in r[m].records],
                             run.dilation / cfg.dilation),
+            "jct_noise": noise(sv["jct_s"], len(mine)), "ttft_p50_noise": noise(sv["ttft_p50"], len(mine)),
             "jct_spread": spread([b["jct_s"] for b in band], t["jct_s"]),
             "ttft_p50_spread": spread([b["ttft_s"]["p50"] for b in band], t["ttft_p50"]),
             "agent_jct_mean_err": _rel(s["agent_jct_mean"], t["agent_jct_mean"]),
@@ -580,6 +581,16 @@ def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[s
                  f"  p99 {_pct(r['ttft_p99_err'])}  TPOT {_pct(r['tpot_p50_err'])}  SNIC {_diff(bal)}"
                  f"{'' if held_out else '  (calibration)'}{how}")
     return rows
+
+
+def noise(simulated: Sequence[float | None], runs: int) -> float | None:
+    """One standard error of a row's relative error from the order of events alone: the
+    simulations' spread (the model's estimate of one run's) over their mean, for the mean of
+    these simulations against the mean of `runs` testbed runs. None from a single simulation."""
+    xs = [x for x in simulated if x is not None]
+    if len(xs) < 2 or not statistics.fmean(xs):
+        return None
+    return round(statistics.stdev(xs) / statistics.fmean(xs) * math.sqrt(1 / len(xs) + 1 / max(1, runs)), 5)
 
 
 def nudged_calibrations(cal: Calibration, step: float = SPREAD_STEP) -> list[Calibration]:
@@ -607,6 +618,10 @@ def _median_modes(tb_records: Sequence, sim_records: Sequence, tb_per_sim: float
 
 def _pct(x: float | None) -> str:
     return "   n/a" if x is None else f"{x * 100:+5.1f}%"
+
+
+def _noise(x: float | None) -> str:
+    return "" if x is None else f" (±{x * 100:.1f}%)"
 
 
 def _diff(x: float | None) -> str:
@@ -708,8 +723,12 @@ def ensemble_line(cal: Calibration, rows: list[dict[str, Any]]) -> str:
            f"latencies vary by {cal.jitter:.2f} (relative sd) from one message to the next, as the testbed's do, so "
            "one simulation is one draw of the order of events." if cal.jitter and n > 1 else
            "Each simulated value is one simulation (every latency exactly its value).")
+    noise = (" In brackets after an error, its noise: one standard error of the difference from the order of "
+             "events alone (the simulations' spread, the model's estimate of one run's, over these simulations and the "
+             "row's testbed runs); an error within about twice its noise cannot be told from run-to-run variation with "
+             "this many runs, and still counts against the targets." if cal.jitter and n > 1 else "")
     return (sim + " A configuration run more than once on the testbed (same topology, workload, seeds) is compared "
-            "with the mean of its runs (each in brackets).")
+            "with the mean of its runs (each in brackets)." + noise)
 
 
 def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any],
@@ -721,7 +740,7 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
              f"`{src.get('fitted_by')}`; "
              f"{src.get('simulations')} simulations, rms relative error {src.get('rms_relative_error')}.", "",
              ensemble_line(cal, rows), "",
-             "| config | mode | held out | runs | JCT testbed | JCT sim | JCT err | TTFT p50 err | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
+             "| config | mode | held out | runs | JCT testbed | JCT sim | JCT err (noise) | TTFT p50 err (noise) | TTFT p99 err | TPOT p50 err | SNIC max/avg (tb / sim) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         sb = r["snic_max_over_avg"]
@@ -729,7 +748,8 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
         sd = r["jct_s"].get("sim_sd")
         lines.append(f"| {r['config']} | {r['mode']} | {'yes' if r['held_out'] else 'no'} | {len(tb_runs) or 1} | "
                      f"{r['jct_s']['testbed']:.4g}{' (' + ' / '.join(f'{x:.4g}' for x in tb_runs) + ')' if len(tb_runs) > 1 else ''} | "
-                     f"{r['jct_s']['sim']:.4g}{f' (sd {sd:.2g})' if sd is not None else ''} | {_pct(r['jct_err'])} | {_pct(r['ttft_p50_err'])} | {_pct(r['ttft_p99_err'])} | "
+                     f"{r['jct_s']['sim']:.4g}{f' (sd {sd:.2g})' if sd is not None else ''} | {_pct(r['jct_err'])}{_noise(r.get('jct_noise'))} | "
+                     f"{_pct(r['ttft_p50_err'])}{_noise(r.get('ttft_p50_noise'))} | {_pct(r['ttft_p99_err'])} | "
                      f"{_pct(r['tpot_p50_err'])} | {sb['testbed']} / {sb['sim']}{'' if r['snic_balance_diff'] is not None else ' (n/a: no KV on SNICs)'} |")
     lines += ["", f"Mean |JCT error| {_pct(agg['mean_jct_err'])}, max {_pct(agg['max_jct_err'])}; held out: mean "
                   f"{_pct(agg['held_out_mean_jct_err'])}, max {_pct(agg['held_out_max_jct_err'])}. TTFT p50 max "

@@ -71,6 +71,16 @@ def test_levenberg_marquardt_finds_the_nonnegative_least_squares_point():
     assert r == pytest.approx(res(x))
 
 
+def test_a_rows_noise_is_the_standard_error_of_two_means():
+    """sd 0.4 about a mean of 8 over 8 simulations, against 1 run: 0.05 x sqrt(1/8 + 1) = 0.053;
+    against the mean of 3 runs it shrinks; one simulation has none."""
+    sims = [7.6, 8.4] * 4
+    sd = float(np.std(sims, ddof=1))
+    assert sv.noise(sims, 1) == pytest.approx(sd / 8 * (1 / 8 + 1) ** 0.5, abs=1e-5)
+    assert sv.noise(sims, 3) < sv.noise(sims, 1)
+    assert sv.noise([8.0], 3) is None and sv.noise([None, None], 1) is None
+
+
 def test_stages_split_a_request_into_its_phases():
     r = {"error": "", "t_arrive": 0.0, "t_read_start": 1.0, "t_read_end": 2.0, "t_prefill_start": 2.0,
          "t_first_token": 3.5, "token_times": [3.5, 4.0, 4.2, 4.4], "t_done": 5.0}
