@@ -27,11 +27,13 @@ both), in three steps:
 The result is written with the runs it came from (path, command, topology, APS, dilation, a digest
 of each summary.json), the residuals and the time the fit took.
 
-`validate(runs, cal)` simulates each run's configuration (its topology as the file is now, its
-workload, its modes) and compares per mode: JCT, TTFT p50/p99, TPOT p50 (relative errors) and
-SNIC max/avg (difference); a run on the calibration's own configuration is not held out. Each row
-also says how far its prediction moves when one fitted latency moves by 10 % (its band): where the
-band is wider than the target, the order of events decides where in it the prediction falls.
+`validate_to_folder(runs, cal, ...)` simulates each configuration (its topology as the file is
+now, its workload, its modes) and compares per mode: JCT, TTFT p50/p99, TPOT p50 (relative errors)
+and SNIC max/avg (difference); a run on the calibration's own configuration is not held out. Runs
+of one configuration (repeats) are compared by their mean; with the calibration's jitter, the
+simulated side is the mean of REPLICAS seeded simulations, and each error has its noise (the
+standard error the order of events alone gives it). Each row also says how far its prediction
+moves when one fitted latency moves by 10 % (its band).
 """
 from __future__ import annotations
 
