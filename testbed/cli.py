@@ -264,14 +264,15 @@ def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) ->
 
 
 @app.command()
-def bench(what: str = typer.Argument(..., help="transport or store"),
+def bench(what: str = typer.Argument(..., help="transport, store or burst"),
           topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
           out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes"),
           transport: str = typer.Option("tcp", help="transport: tcp, or rdma (Soft-RoCE: NIXL against perftest "
                                         "on the same rxe link, proven by its hw_counters)")) -> None:
-    """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio."""
-    if what not in ("transport", "store"):
-        _fail(f"bench: unknown target {what!r}; choose transport or store")
+    """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio;
+    burst: how far past its HTB bucket an idle shaped NIC lets a fresh transfer go (for `sim --calibrate --burst`)."""
+    if what not in ("transport", "store", "burst"):
+        _fail(f"bench: unknown target {what!r}; choose transport, store or burst")
     _transport_opt(transport)
     if transport == "rdma" and what != "transport":
         _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
@@ -282,8 +283,13 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"
     scratch.mkdir(parents=True, exist_ok=True)
+    from testbed.benches.burst import bench_burst, burst_lines
+
     with _fabric(t, "bench", transport) as fab:
-        res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
+        if what == "burst":
+            res = {"topology": t.name, **bench_burst(fab, t.spec.mtu, typer.echo)}
+        else:
+            res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
     shutil.rmtree(scratch, ignore_errors=True)
     run_dir = out / what / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -291,7 +297,7 @@ def bench(what: str = typer.Argument(..., help="transport or store"),
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")
     from testbed.report import bench_lines
 
-    lines = bench_lines(what, res)
+    lines = burst_lines(res) if what == "burst" else bench_lines(what, res)
     (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(lines) + "\n```\n")
     for line in lines:
@@ -511,6 +517,8 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
                                           "(--runs) per configuration and mode"),
             runs: Optional[list[Path]] = typer.Option(None, "--runs", help="with --validate: testbed run folders; "
                                                       "repeatable"),
+            burst: Optional[Path] = typer.Option(None, help="with --calibrate: a `dualpath bench burst` folder of "
+                                                 "the same topology (how far past its HTB bucket a fresh flow goes)"),
             replicas: int = typer.Option(8, min=1, max=100, help="with --validate: simulations per configuration "
                                          "(seeds 0, 1, ...) whose mean is compared, when the calibration has jitter"),
             quick: bool = typer.Option(False, "--quick", help="with --calibrate: fewer fit iterations"),
@@ -521,6 +529,8 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
     command = " ".join(["dualpath", *sys.argv[1:]])
     if sum(bool(x) for x in (calibrate, validate)) > 1:
         _fail("sim: --calibrate and --validate are separate steps; fix: run one, then the other")
+    if burst and not calibrate:
+        _fail("sim: --burst goes with --calibrate (the measured burst becomes part of the calibration)")
     if calibrate:
         from testbed.reproduce.runs import RunError, load_run
         from testbed.sim_validate import calibrate as fit
@@ -534,7 +544,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
             typer.echo(f"calibrating on {p} ({run.topology}{f' at {run.aps:g} APS' if run.aps else ''}, "
                        f"modes {', '.join(run.modes)})")
         try:
-            cal = fit(fit_runs, typer.echo, iterations=3 if quick else 8)
+            cal = fit(fit_runs, typer.echo, iterations=3 if quick else 8, burst=burst)
         except ValueError as e:
             _fail(f"sim --calibrate: {e}")
         cal = Calibration(**{**cal.to_dict(), "source": {**cal.source, "command": command,

@@ -333,9 +333,27 @@ def _levenberg_marquardt(res_of: Callable[[np.ndarray], np.ndarray], x: np.ndarr
     return x, r, evals
 
 
+def burst_of(folder: Path, topology: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """A `dualpath bench burst` folder's extra bytes per NIC kind (a negative median, within the
+    timing's noise on a fast link, counts as 0) and its provenance; refused when it was measured
+    on another topology's links."""
+    try:
+        b = json.loads((Path(folder) / "summary.json").read_text())
+        kinds = b["kinds"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{folder}: not a `dualpath bench burst` folder ({type(e).__name__}: {e})") from None
+    if b.get("topology") != topology:
+        raise ValueError(f"{folder}: measured on {b.get('topology')!r}'s links, the runs are {topology!r}'s; "
+                         f"fix: dualpath bench burst topologies/{topology}.yaml")
+    extra = {k: float(max(0, v["median_extra_payload_bytes"])) for k, v in kinds.items()}
+    return extra, {"folder": str(folder), "command": b.get("command"), "measured_payload_bytes":
+                   {k: v["median_extra_payload_bytes"] for k, v in kinds.items()}}
+
+
 def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,
-              cores: float | None = None) -> Calibration:
-    """Fit a Calibration on run folders of one topology (see the module docstring)."""
+              cores: float | None = None, burst: Path | None = None) -> Calibration:
+    """Fit a Calibration on run folders of one topology (see the module docstring); `burst`: a
+    `dualpath bench burst` folder of the same topology, whose measured extra bytes the fit uses."""
     t_start = time.monotonic()
     runs = list(runs)
     if not runs:
@@ -346,6 +364,7 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
     if len({r.topology for r in runs}) > 1:
         raise ValueError(f"calibration runs must share one topology (the held-out ones are judged apart), got "
                          f"{', '.join(sorted({r.topology for r in runs}))}")
+    extra, burst_source = burst_of(burst, runs[0].topology) if burst else ({}, None)
     cores = float(cores or os.cpu_count() or 2)
     host = fit_host(runs, cores)
     host_fit = host.pop("_fit")
@@ -360,7 +379,7 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
 
     def cal_of(v: np.ndarray) -> Calibration:
         return Calibration(**{k: float(max(0.0, a)) for k, a in zip(LATENCIES, v)}, exposed_io=exposed,
-                           dilation=runs[0].dilation, jitter=jitter, **host)
+                           dilation=runs[0].dilation, jitter=jitter, burst_extra_bytes=extra, **host)
 
     def sims(v: np.ndarray) -> list[dict]:
         c = cal_of(v)
@@ -393,7 +412,7 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
               "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
               "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
               "relative_error_per_run_and_mode": residual_table, "host_fit": host_fit, "io_evidence": io_evidence,
-              "weights": WEIGHTS, "jitter_fit": jitter_fit}
+              "weights": WEIGHTS, "jitter_fit": jitter_fit, "burst": burst_source}
     return Calibration(**{**cal.to_dict(), "source": source})
 
 

@@ -41,6 +41,7 @@ def test_sim_writes_a_summary_with_the_run_keys(tmp_path):
     (("sim", "--validate", "--calibration", "x.json"), ("--runs",)),
     (("sim", "--calibrate", "/nonexistent-run"), ("not a run folder",)),
     (("sim", "topologies/1p1d-io.yaml", "--units", "gpu"), ("--units",)),
+    (("sim", "topologies/1p1d-io.yaml", "--burst", "x"), ("--burst goes with --calibrate",)),
 ])
 def test_bad_input_is_one_line(args, words, tmp_path):
     p = dualpath(*args, "--out", str(tmp_path))
@@ -289,3 +290,25 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
     assert fitted == pytest.approx(0.8, abs=0.25), how
     assert how["sim_mean_dispersion_without_jitter"] < how["testbed_mean_dispersion"]
     assert sv.fit_jitter([run_with_records_of(0.0, 11, "exact")], cal, seeds=2, iterations=7)[0] == 0.0
+
+
+def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp_path):
+    """48 Mbit/s, MTU 9000: a transfer that ends exactly when the bucket model says has sent
+    nothing beyond it; one 5 ms sooner sent 5 ms of the rate more (payload). A burst folder of
+    another topology, or no burst folder at all, is refused; a negative median counts as 0."""
+    from emulators.nic import burst_bytes
+    from testbed.benches.burst import extra_bytes
+    from testbed.fidelity import payload_share
+
+    share, rate, n = payload_share(9000), 48e6, 1_200_000
+    model = (n / share - burst_bytes(48_000_000, 9000)) * 8 / rate
+    assert extra_bytes(n, model, rate, 9000) == pytest.approx(0, abs=1e-6)
+    assert extra_bytes(n, model - 0.005, rate, 9000) == pytest.approx(0.005 * 6e6 * share)
+    (tmp_path / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "command": "dualpath bench burst", "kinds": {
+        "snic": {"median_extra_payload_bytes": 34153}, "host_port": {"median_extra_payload_bytes": -33061}}}))
+    extra, source = sv.burst_of(tmp_path, "1p1d-io")
+    assert extra == {"snic": 34153.0, "host_port": 0.0} and source["measured_payload_bytes"]["host_port"] == -33061
+    with pytest.raises(ValueError, match=r"measured on '1p1d-io'.*dualpath bench burst topologies/2p1d-io.yaml"):
+        sv.burst_of(tmp_path, "2p1d-io")
+    with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
+        sv.burst_of(tmp_path / "missing", "1p1d-io")

@@ -198,6 +198,30 @@ def test_latencies_lengthen_the_run():
     assert b > a
 
 
+def test_a_measured_burst_beyond_the_bucket_leaves_at_once_too():
+    """`dualpath bench burst` measures how far past its bucket a fresh flow goes; the calibration's
+    burst_extra_bytes adds it per NIC kind: on a 1000 B/s SNIC with a 300 B bucket and 200 B more,
+    1000 B take 0.5 s (0.7 s without); a kind it does not name keeps the bucket alone."""
+    topo = load_topology(ROOT / "topologies" / "1p1d.yaml")
+    cfg = sim_config(topo, cal=Calibration(burst_extra_bytes={"snic": 200.0}))
+    cfg = cfg.__class__(**{**cfg.__dict__, "buckets": {"snic": 300.0, "cnic": 300.0}})
+    sim = sim_cluster.ClusterSim(cfg, "dualpath", "layerwise", "shorter", [])
+    snic, cnic = sim.shaped(Link("snic", 1000 * B, qos=False), "snic"), sim.shaped(Link("cnic", 1000 * B), "cnic")
+    took = {}
+
+    def one(name, link):
+        t = sim.env.now
+        yield sim._flow([link], 1000)
+        took[name] = round(sim.env.now - t, 9)
+
+    sim.env.process(one("snic", snic))
+    sim.env.process(one("cnic", cnic))
+    sim.env.run()
+    assert took == {"snic": 0.5, "cnic": 0.7}
+    with pytest.raises(ValueError, match="burst_extra_bytes"):
+        Calibration(burst_extra_bytes={"snic": -1.0})
+
+
 def test_jitter_draws_factors_of_mean_one_and_the_given_spread_from_the_seed():
     """A latency varies around its calibrated value, never below 0, with the fitted relative sd;
     the same seed gives the same draws (a simulation is reproducible), another seed others."""

@@ -21,6 +21,10 @@ is left are costs of the testbed's implementation that no model of the target pr
                   windows instead of hiding behind them; False is the design (RDMA, layerwise).
   xfer_latency_s  with exposed_io, each transfer's own latency (one READ and one WRITE per
                   request and layer of a pass).
+  burst_extra_bytes  per shaped NIC kind, the payload bytes an idle link lets a fresh flow send
+                  at once beyond its HTB bucket (HTB sends while a class's tokens are not negative
+                  and charges the whole segment afterwards), as `dualpath bench burst` measured on
+                  the topology's own links; a kind it does not name gets the bucket alone.
   jitter          how much one such latency varies from one message to the next on the testbed
                   (processes sharing a few cores are scheduled late by chance): each is drawn as
                   its value times a lognormal factor of mean 1 and this relative standard
@@ -53,7 +57,7 @@ from typing import Any
 
 FIELDS = ("rpc_s", "pass_fixed_s", "step_gap_s", "load_fixed_s", "flush_fixed_s", "compute_efficiency",
           "read_contention_s", "exposed_io", "xfer_latency_s", "cpu_cores", "cpu_base", "cpu_per_compute",
-          "cpu_per_mbps", "pass_cpu", "step_cpu", "cpu_window_s", "jitter")
+          "cpu_per_mbps", "pass_cpu", "step_cpu", "cpu_window_s", "jitter", "burst_extra_bytes")
 TIMES = ("rpc_s", "pass_fixed_s", "step_gap_s", "load_fixed_s", "flush_fixed_s", "read_contention_s",
          "xfer_latency_s")
 
@@ -77,6 +81,7 @@ class Calibration:
     step_cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cpu_window_s: float = 1.0
     jitter: float = 0.0  # relative standard deviation of each latency above (0: exact)
+    burst_extra_bytes: dict[str, float] = field(default_factory=dict)  # NIC kind -> payload bytes
     dilation: float = 1.0  # the source run's (provenance: its emulated second in testbed seconds)
     source: dict[str, Any] = field(default_factory=dict)  # the run it was fitted on, and the fit
 
@@ -87,6 +92,9 @@ class Calibration:
                 raise ValueError(f"calibration {k} must be a finite number of seconds >= 0, got {v!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"calibration compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        for kind, b in self.burst_extra_bytes.items():
+            if not (isinstance(b, (int, float)) and 0 <= b < 1 << 30):
+                raise ValueError(f"calibration burst_extra_bytes[{kind!r}] must be a byte count in [0, 1 GiB), got {b!r}")
         if not (isinstance(self.jitter, (int, float)) and 0 <= self.jitter < 10):
             raise ValueError(f"calibration jitter must be a relative standard deviation in [0, 10), got {self.jitter!r}")
         if not self.dilation > 0:

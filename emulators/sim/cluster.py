@@ -525,9 +525,11 @@ class ClusterSim:
         return self.env.timeout(seconds * self._jitter.factor() * self.cpu.factor(self.env.now))
 
     def shaped(self, link: Link, kind: str) -> Link:
-        """`link`, with the HTB bucket of its NIC kind when the config has one."""
+        """`link`, with the HTB bucket of its NIC kind when the config has one, and what a fresh
+        flow sends beyond it (the calibration's burst_extra_bytes)."""
         b = self.cfg.buckets.get(kind, 0.0)
         if b > 0:
+            b += self.cal.burst_extra_bytes.get(kind, 0.0)
             self._bucket[link] = b
             self._tokens[link] = (b, 0.0)  # full: idle since before the run
         return link
