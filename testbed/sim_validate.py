@@ -334,7 +334,7 @@ def _levenberg_marquardt(res_of: Callable[[np.ndarray], np.ndarray], x: np.ndarr
 
 
 def burst_of(folder: Path, topology: str) -> tuple[dict[str, float], dict[str, Any]]:
-    """A `dualpath bench burst` folder's extra bytes per NIC kind (a negative median, within the
+    """A `dualpath bench burst` folder's mean extra bytes per NIC kind (a negative mean, within the
     timing's noise on a fast link, counts as 0) and its provenance; refused when it was measured
     on another topology's links."""
     try:
@@ -345,9 +345,9 @@ def burst_of(folder: Path, topology: str) -> tuple[dict[str, float], dict[str, A
     if b.get("topology") != topology:
         raise ValueError(f"{folder}: measured on {b.get('topology')!r}'s links, the runs are {topology!r}'s; "
                          f"fix: dualpath bench burst topologies/{topology}.yaml")
-    extra = {k: float(max(0, v["median_extra_payload_bytes"])) for k, v in kinds.items()}
+    extra = {k: float(max(0, v["mean_extra_payload_bytes"])) for k, v in kinds.items()}
     return extra, {"folder": str(folder), "command": b.get("command"), "measured_payload_bytes":
-                   {k: v["median_extra_payload_bytes"] for k, v in kinds.items()}}
+                   {k: v["mean_extra_payload_bytes"] for k, v in kinds.items()}}
 
 
 def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,

@@ -295,7 +295,7 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
 def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp_path):
     """48 Mbit/s, MTU 9000: a transfer that ends exactly when the bucket model says has sent
     nothing beyond it; one 5 ms sooner sent 5 ms of the rate more (payload). A burst folder of
-    another topology, or no burst folder at all, is refused; a negative median counts as 0."""
+    another topology, or no burst folder at all, is refused; a negative mean counts as 0."""
     from emulators.nic import burst_bytes
     from testbed.benches.burst import extra_bytes
     from testbed.fidelity import payload_share
@@ -305,7 +305,7 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
     assert extra_bytes(n, model, rate, 9000) == pytest.approx(0, abs=1e-6)
     assert extra_bytes(n, model - 0.005, rate, 9000) == pytest.approx(0.005 * 6e6 * share)
     (tmp_path / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "command": "dualpath bench burst", "kinds": {
-        "snic": {"median_extra_payload_bytes": 34153}, "host_port": {"median_extra_payload_bytes": -33061}}}))
+        "snic": {"mean_extra_payload_bytes": 34153}, "host_port": {"mean_extra_payload_bytes": -33061}}}))
     extra, source = sv.burst_of(tmp_path, "1p1d-io")
     assert extra == {"snic": 34153.0, "host_port": 0.0} and source["measured_payload_bytes"]["host_port"] == -33061
     with pytest.raises(ValueError, match=r"measured on '1p1d-io'.*dualpath bench burst topologies/2p1d-io.yaml"):

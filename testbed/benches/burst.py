@@ -8,8 +8,10 @@ builds. This measures it on the topology's own shaped links: after IDLE_S of sil
 a fixed size crosses the NIC in its receive direction (as a read crosses an SNIC), timed from the
 sender's first write to the receiver's acknowledgement of the last byte, REPEATS times. Per NIC
 kind, the extra bytes are the rate times how much sooner the transfer ended than the bucket model
-says (payload bytes, as the simulator counts them). `dualpath sim --calibrate ... --burst FOLDER`
-takes the medians into the calibration.
+says (payload bytes, as the simulator counts them); their mean (a transfer's first packets leave in
+a burst of 0 to several segments, so single transfers differ by whole packets) is what a
+simulated read's mean time needs. `dualpath sim --calibrate ... --burst FOLDER`
+takes the means into the calibration.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from testbed.fidelity import payload_share
 from testbed.shell import ns_argv
 
 IDLE_S = 1.0  # longer than any bucket takes to refill at its rate
-REPEATS = 5
+REPEATS = 15
 TRANSFER_S = 0.2  # each transfer lasts about this long at line rate
 PORT = 5391
 
@@ -74,10 +76,11 @@ def bench_burst(fab: Fabric, mtu: int, progress: Callable[[str], None] = print) 
             "seconds": [round(t, 6) for t in times],
             "bucket_model_s": round((n / payload_share(mtu) - burst_bytes(nic.rate_bps, mtu)) * 8 / nic.rate_bps, 6),
             "extra_payload_bytes": [round(e) for e in extras],
-            "median_extra_payload_bytes": round(statistics.median(extras))}
+            "median_extra_payload_bytes": round(statistics.median(extras)),
+            "mean_extra_payload_bytes": round(statistics.fmean(extras))}
         k = out["kinds"][nic.kind]
-        progress(f"    median {statistics.median(times) * 1e3:.1f} ms against {k['bucket_model_s'] * 1e3:.1f} ms with "
-                 f"the bucket alone: {k['median_extra_payload_bytes']} B beyond it")
+        progress(f"    mean {statistics.fmean(times) * 1e3:.1f} ms against {k['bucket_model_s'] * 1e3:.1f} ms with "
+                 f"the bucket alone: {k['mean_extra_payload_bytes']} B beyond it")
     return out
 
 
@@ -87,6 +90,6 @@ def burst_lines(res: dict[str, Any]) -> list[str]:
     for kind, k in res["kinds"].items():
         ms = ", ".join(f"{t * 1e3:.1f}" for t in k["seconds"])
         lines.append(f"{kind:<10} {k['rate_bps'] / 1e6:g} Mbit/s, bucket {k['bucket_bytes']} B: {k['bytes']} B took "
-                     f"{ms} ms (bucket model {k['bucket_model_s'] * 1e3:.1f} ms); beyond the bucket: median "
-                     f"{k['median_extra_payload_bytes']} B of payload")
+                     f"{ms} ms (bucket model {k['bucket_model_s'] * 1e3:.1f} ms); beyond the bucket: mean "
+                     f"{k['mean_extra_payload_bytes']} B of payload (median {k['median_extra_payload_bytes']})")
     return lines
