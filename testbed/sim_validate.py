@@ -339,15 +339,14 @@ def burst_of(folder: Path, topology: str) -> tuple[dict[str, float], dict[str, A
     on another topology's links."""
     try:
         b = json.loads((Path(folder) / "summary.json").read_text())
-        kinds = b["kinds"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        measured = {str(k): float(v["mean_extra_payload_bytes"]) for k, v in b["kinds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{folder}: not a `dualpath bench burst` folder ({type(e).__name__}: {e})") from None
     if b.get("topology") != topology:
         raise ValueError(f"{folder}: measured on {b.get('topology')!r}'s links, the runs are {topology!r}'s; "
                          f"fix: dualpath bench burst topologies/{topology}.yaml")
-    extra = {k: float(max(0, v["mean_extra_payload_bytes"])) for k, v in kinds.items()}
-    return extra, {"folder": str(folder), "command": b.get("command"), "measured_payload_bytes":
-                   {k: v["mean_extra_payload_bytes"] for k, v in kinds.items()}}
+    extra = {k: max(0.0, v) for k, v in measured.items()}
+    return extra, {"folder": str(folder), "command": b.get("command"), "measured_payload_bytes": measured}
 
 
 def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iterations: int = 8,

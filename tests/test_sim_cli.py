@@ -312,3 +312,7 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
         sv.burst_of(tmp_path, "2p1d-io")
     with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
         sv.burst_of(tmp_path / "missing", "1p1d-io")
+    (tmp_path / "other").mkdir()  # a `bench store` folder: no kinds
+    (tmp_path / "other" / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "kinds": {"snic": {}}}))
+    with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
+        sv.burst_of(tmp_path / "other", "1p1d-io")
