@@ -283,10 +283,10 @@ def bench(what: str = typer.Argument(..., help="transport, store or burst"),
     run_id = time.strftime("%Y%m%d-%H%M%S")
     scratch = Path("/var/tmp") / f"dpt-run-{run_id}"
     scratch.mkdir(parents=True, exist_ok=True)
-    from testbed.benches.burst import bench_burst, burst_lines
-
     with _fabric(t, "bench", transport) as fab:
         if what == "burst":
+            from testbed.benches.burst import bench_burst
+
             res = {"topology": t.name, **bench_burst(fab, t.spec.mtu, typer.echo)}
         else:
             res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
@@ -297,7 +297,12 @@ def bench(what: str = typer.Argument(..., help="transport, store or burst"),
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")
     from testbed.report import bench_lines
 
-    lines = burst_lines(res) if what == "burst" else bench_lines(what, res)
+    if what == "burst":
+        from testbed.benches.burst import burst_lines
+
+        lines = burst_lines(res)
+    else:
+        lines = bench_lines(what, res)
     (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(lines) + "\n```\n")
     for line in lines:

@@ -389,7 +389,7 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
 
     x, r, evals = _levenberg_marquardt(res_of, x, iterations, progress)
     for rnd in range(2):  # the jitter for these latencies, then the latencies again with it (and its jitter)
-        jitter, jitter_fit = fit_jitter(runs, replace(cal_of(x), jitter=0.0))
+        jitter, jitter_fit = fit_jitter(runs, cal_of(x))
         progress(f"  jitter: each latency varies by {jitter:.2f} (relative sd) from one message to the next: the "
                  f"{' and '.join(JITTER_STAGES)} stages then vary {jitter_fit.get('sim_mean_dispersion')} (testbed "
                  f"{jitter_fit.get('testbed_mean_dispersion')}, without jitter "
@@ -451,7 +451,7 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
     def simulated(sd: float) -> dict[tuple, float]:
         acc: dict[tuple, list[float]] = {}
         for i, run in enumerate(runs):
-            for seed in range(seeds):
+            for seed in range(seeds if sd else 1):  # without jitter every seed simulates the same
                 res = _run_sim(run, replace(cal, jitter=sd), seed)[0]
                 for k, d in _stage_dispersions({m: r.records for m, r in res.items()}).items():
                     acc.setdefault((i, *k), []).append(d)
@@ -464,10 +464,11 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
 
     lo, hi = 0.0, JITTER_MAX
     g0, sim = gap(lo)
+    g_hi, sim_hi = gap(hi) if g0 < 0 else (0.0, sim)
     if g0 >= 0:
         sd = 0.0
-    elif gap(hi)[0] < 0:
-        sd, sim = hi, gap(hi)[1]
+    elif g_hi < 0:
+        sd, sim = hi, sim_hi
     else:
         for _ in range(iterations):
             mid = (lo + hi) / 2
@@ -540,12 +541,6 @@ def _sd(xs) -> float | None:
 METRICS = {"jct_s": lambda v: v["jct_s"], "ttft_p50": lambda v: v["ttft_s"]["p50"],
            "ttft_p99": lambda v: v["ttft_s"]["p99"], "tpot_p50": lambda v: v["tpot_s"]["p50"],
            "snic": lambda v: v.get("snic_max_over_avg"), "agent_jct_mean": lambda v: (v.get("agent_jct_s") or {}).get("mean")}
-
-
-def validate_run(run: Run, cal: Calibration, progress: Callable[[str], None] = print,
-                 replicas: int = REPLICAS) -> list[dict[str, Any]]:
-    """Per mode of one testbed run, the simulator's errors against it."""
-    return validate_config([run], cal, progress, replicas)
 
 
 def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[str], None] = print,

@@ -32,13 +32,17 @@ TRANSFER_S = 0.2  # each transfer lasts about this long at line rate
 PORT = 5391
 
 
+def bucket_model_s(payload: int, rate_bps: float, mtu: int) -> float:
+    """How long `payload` bytes take through an idle HTB class at `rate_bps` (wire) if its bucket
+    alone leaves at once (the simulator's model without burst_extra_bytes)."""
+    return max(0.0, payload / payload_share(mtu) - burst_bytes(int(rate_bps), mtu)) * 8 / rate_bps
+
+
 def extra_bytes(payload: int, seconds: float, rate_bps: float, mtu: int) -> float:
     """Payload bytes beyond the HTB bucket that a transfer of `payload` bytes must have sent at
     once to end after `seconds` at `rate_bps` (wire): the bucket model's time minus the measured
     one, at the rate. Negative: it ended later than the bucket model says."""
-    share = payload_share(mtu)
-    model_s = max(0.0, payload / share - burst_bytes(int(rate_bps), mtu)) * 8 / rate_bps
-    return (model_s - seconds) * rate_bps / 8 * share
+    return (bucket_model_s(payload, rate_bps, mtu) - seconds) * rate_bps / 8 * payload_share(mtu)
 
 
 def _timed_transfers(src_ns: str, dst_ns: str, dst_ip: str, nbytes: int, tos: int) -> list[float]:
@@ -74,7 +78,7 @@ def bench_burst(fab: Fabric, mtu: int, progress: Callable[[str], None] = print) 
         out["kinds"][nic.kind] = {
             "rate_bps": nic.rate_bps, "bytes": n, "bucket_bytes": burst_bytes(nic.rate_bps, mtu),
             "seconds": [round(t, 6) for t in times],
-            "bucket_model_s": round((n / payload_share(mtu) - burst_bytes(nic.rate_bps, mtu)) * 8 / nic.rate_bps, 6),
+            "bucket_model_s": round(bucket_model_s(n, nic.rate_bps, mtu), 6),
             "extra_payload_bytes": [round(e) for e in extras],
             "median_extra_payload_bytes": round(statistics.median(extras)),
             "mean_extra_payload_bytes": round(statistics.fmean(extras))}
