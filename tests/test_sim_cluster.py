@@ -222,6 +222,49 @@ def test_a_measured_burst_beyond_the_bucket_leaves_at_once_too():
         Calibration(burst_extra_bytes={"snic": -1.0})
 
 
+def test_a_shaped_link_with_capacity_to_spare_keeps_its_bucket_full():
+    """HTB gains tokens at a class's rate and spends them on what it sends: a busy link whose flows
+    leave it capacity to spare keeps its bucket full, and only a link its flows fill has none.
+    Hand-solved with a 2000 B/s host port A and a 1000 B/s CNIC B, 300 B buckets each, and an
+    unshaped 1000 B/s hop U: while a flow over [A, U] uses half of A, 1000 B over [A, B] take
+    0.7 s (300 B at once, 700 B at B's rate); while a flow over [A] alone fills A, they take 1 s
+    (no burst; A shared 1000 B/s each). A link left empty by a flow that could not fill it starts
+    refilling from a full bucket (1000 B over [A] right after: 0.35 s), by one that filled it from
+    empty (0.5 s)."""
+    topo = load_topology(ROOT / "topologies" / "1p1d.yaml")
+    cfg = sim_config(topo, cal=UNCALIBRATED)
+    cfg = cfg.__class__(**{**cfg.__dict__, "buckets": {"host_port": 300.0, "cnic": 300.0}})
+    sim = sim_cluster.ClusterSim(cfg, "dualpath", "layerwise", "shorter", [])
+    a = sim.shaped(Link("A", 2000 * B, qos=False), "host_port")
+    b = sim.shaped(Link("B", 1000 * B, qos=False), "cnic")
+    u = Link("U", 1000 * B, qos=False)
+    env, took = sim.env, []
+
+    def one(path, nbytes):
+        t = env.now
+        yield sim._flow(path, nbytes)
+        took.append(round(env.now - t, 9))
+
+    def script():
+        yield env.timeout(1.0)  # every bucket full
+        bg = env.process(one([a, u], 2300))  # 300 B at once, then 2 s at 1000 B/s: A half used
+        yield env.timeout(0.5)
+        yield env.process(one([a, b], 1000))  # A keeps its bucket; B idle since the start: 0.7 s
+        yield bg
+        yield env.process(one([a], 1000))  # A's last flow could not fill it: full bucket, 0.35 s
+        yield env.timeout(1.0)
+        bg = env.process(one([a], 4300))  # 300 B at once, then A full at 2000 B/s
+        yield env.timeout(0.5)
+        yield env.process(one([b, a], 1000))  # B full again; A filled by the other: no burst, 1 s
+        yield bg
+        yield env.process(one([a], 1000))  # A's last flow filled it: from empty, 0.5 s
+
+    env.process(script())
+    env.run()
+    # the background flows: 2000 B at 1000 B/s; 1000 B alone, 1000 B while shared, 2000 B alone
+    assert took == pytest.approx([0.7, 2.0, 0.35, 1.0, 2.5, 0.5])
+
+
 def test_jitter_draws_factors_of_mean_one_and_the_given_spread_from_the_seed():
     """A latency varies around its calibrated value, never below 0, with the fitted relative sd;
     the same seed gives the same draws (a simulation is reproducible), another seed others."""

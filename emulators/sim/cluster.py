@@ -556,29 +556,40 @@ class ClusterSim:
                 d[l] = d.get(l, 0.0) + (nbytes - rest)
         ev = self.net.transfer(path, rest)
         if rest > 0:
-            ev.callbacks.append(lambda _ev: self._idle(path))
+            ev.callbacks.append(lambda done: self._idle(done.value))
         return ev
 
     def _burst(self, path, nbytes: float) -> float:
         """HTB's burst: bytes of a new flow that leave at once, as many as every shaped link on its
-        path holds tokens for. A link refills at its rate while it carries nothing, up to its
-        bucket; a link that carries a flow has none to spare (it sends at its rate)."""
+        path holds tokens for. A link gains tokens at its rate and spends them on what it sends, up
+        to its bucket: an idle one refills from when it went idle, one whose flows leave it capacity
+        to spare keeps its bucket full, and one its flows fill has none to spare."""
         now, busy = self.env.now, self.net.net.flows_on
         shaped = [l for l in path if l in self._bucket]
-        if not shaped or any(busy(l) for l in shaped):
+        if not shaped:
             return 0.0
-        have = {l: min(self._bucket[l], tok + (now - since) * l.capacity_bps / 8)
-                for l, (tok, since) in ((l, self._tokens[l]) for l in shaped)}
+        have = {}
+        for l in shaped:
+            if busy(l):
+                if self.net.saturated(l):
+                    return 0.0
+                have[l] = self._bucket[l]
+            else:
+                tok, since = self._tokens[l]
+                have[l] = min(self._bucket[l], tok + (now - since) * l.capacity_bps / 8)
         free = min(nbytes, *have.values())
         for l, h in have.items():
-            self._tokens[l] = (h - free, now)
+            if not busy(l):
+                self._tokens[l] = (h - free, now)
         return free
 
-    def _idle(self, path) -> None:
-        """A flow over `path` ended: a shaped link it leaves empty starts refilling, from empty."""
-        for l in path:
+    def _idle(self, flow) -> None:
+        """`flow` ended: a shaped link it leaves empty starts refilling, from empty if the flow
+        could fill it (it was sending at its rate), else from a full bucket."""
+        for l, bound in zip(flow.path, flow.ubs):
             if l in self._bucket and not self.net.net.flows_on(l):
-                self._tokens[l] = (0.0, self.env.now)
+                spare = bound < l.capacity_bps * (1 - 1e-9)
+                self._tokens[l] = (self._bucket[l] if spare else 0.0, self.env.now)
 
     def _storage_paths(self, node_link: Link, read: bool) -> list[tuple[list[Link], float]]:
         """A load's (or flush's) flows: one per storage server when the storage side can bind

@@ -298,6 +298,15 @@ class FastFlowNetwork:
     def flows_on(self, link: Link) -> int:
         return len(self._on.get(link, ()))
 
+    def saturated(self, link: Link) -> bool:
+        """Whether the flows on `link` fill it now: their rates add up to its capacity (a slack
+        link, and one whose flows are held back elsewhere, has capacity to spare)."""
+        on = self._on.get(link)
+        if not on or self._slack(link):
+            return False
+        self._allocate()
+        return math.fsum(f.rate_bps for f in on) >= link.capacity_bps * (1 - 1e-9)
+
 
 def id_of(x: object) -> int:
     return id(x)
@@ -382,6 +391,11 @@ class SimNetwork:
         f.callback = ev
         self._rearm()
         return ev
+
+    def saturated(self, link: Link) -> bool:
+        """FastFlowNetwork.saturated, now."""
+        self._sync()
+        return self.net.saturated(link)
 
     def _sync(self) -> None:
         for f in self.net.advance_to(max(self.env.now, self.net.now)):
