@@ -15,10 +15,11 @@ What runs is the testbed's own code where the testbed has it:
     chunk re-reads, write-back) on the max-min link model of flows.py (network.py), a storage
     NIC per node fed by the node's FIFO read queue (dualpath/nodes/read_queue.py), a server per
     storage host with its NIC and disk; in a testbed configuration every shaped NIC keeps the
-    HTB bucket emulators/nic.py gives it, so a flow that finds its links idle sends its first
+    HTB bucket emulators/nic.py gives it, so a flow whose links all hold tokens sends its first
     bytes at once (up to a bucket: 64 KiB and an MTU, or 1 ms of the link) and the rest at the
-    link's rate; an exposed pass's per-layer READs each find the bucket refilled by the window
-    before them.
+    link's rate (a link refills while idle, stays full while its flows leave it capacity to
+    spare, and has none while they fill it); an exposed pass's per-layer READs each find the
+    bucket refilled by the window before them.
 What it models: time. A prefill pass computes layer by layer: layer l + 1's KV is READ while layer
 l computes (layerwise; basic reads every layer first), so a pass whose reads take L * d lasts
 min(d, w) + L * max(d, w) for windows of w; every layer's KV is written toward the DE buffer as it
