@@ -47,7 +47,7 @@ def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
     for c in s["cells"]:
         assert c["speedup"] == pytest.approx(2.0) and c["dualpath_over_oracle"] == pytest.approx(1.25)
         assert c["jct_s"]["basic"] == pytest.approx(25.0 * c["agents"])
-    h = heads(s)["MaxLen 64K, 16 agents: DualPath speed-up over Basic (x)"]
+    h = heads(s)["MaxLen 64K, 32 agents: DualPath speed-up over Basic (x)"]
     assert h == {"name": h["name"], "testbed": 2.0, "paper": 1.78, "bound": 2.0}
     assert heads(s)["MaxLen 64K, 4 agents: DualPath speed-up over Basic (x)"]["paper"] is None
     pj = s["projection"]  # simulated at full turn counts, apart from the testbed's headline rows
@@ -55,8 +55,8 @@ def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
     for c in pj["cells"]:
         assert c["speedup"] == pytest.approx(c["jct_s"]["basic"] / c["jct_s"]["dualpath"]) and c["dilation"] > 1
     # the simulator on the testbed's own largest cell, beside the testbed's numbers from the run
-    assert pj["check"]["agents"] == 16 and pj["check"]["turns_scale"] == 3.0
-    assert pj["check"]["testbed"]["jct_s"] == {"basic": 400.0, "dualpath": 200.0, "oracle": 160.0}
+    assert pj["check"]["agents"] == 32 and pj["check"]["turns_scale"] == 4.0
+    assert pj["check"]["testbed"]["jct_s"] == {"basic": 800.0, "dualpath": 400.0, "oracle": 320.0}
     assert pj["check"]["sim"]["speedup"] > 1
     assert "## Projection: MaxLen 64K at its full turn counts, simulated" in (out / "report.md").read_text()
 
@@ -78,7 +78,7 @@ def test_fig7_missing_runs_are_reported(tmp_path, monkeypatch):
     runs_for_plan(tmp_path / "runs", plan, fig7_jct)
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = summary(out)
-    assert s["complete"] is False and list(s["missing"]) == ["fig7/64K/agents=16"]
+    assert s["complete"] is False and list(s["missing"]) == ["fig7/64K/agents=32"]
     assert len(s["cells"]) == 1
 
 
