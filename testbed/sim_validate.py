@@ -50,10 +50,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from emulators.sim.calibration import Calibration
+from testbed.reproduce.plan import topology_with
 from testbed.reproduce.runs import Run
 from testbed.metrics import percentiles, token_latencies
 from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
-from testbed.topology import Topology, load_topology
+from testbed.topology import Topology
 
 TOPOLOGIES = Path(__file__).resolve().parent.parent / "topologies"
 STAGES = ("route", "read", "prefill", "handover", "tpot", "writeback")
@@ -125,18 +126,21 @@ def dispersion(values: Sequence[float]) -> float | None:
 # --------------------------------------------------------------------------- the run's configuration
 
 def run_topology(run: Run) -> Topology:
-    """The run's topology, read as the file is now (topologies/<name>.yaml). A run made when the
-    file had other rates (its dilation differs) is refused: simulating it would compare the run
-    with a cluster it never ran on."""
-    path = TOPOLOGIES / f"{run.topology}.yaml"
+    """The run's topology, read as the file is now (topologies/<name>.yaml; a `dualpath reproduce`
+    run's with the overrides its plan.json names). A run made when the file had other rates (its
+    dilation differs) is refused: simulating it would compare the run with a cluster it never ran on."""
+    cfg = (run.plan or {}).get("config") or {}
+    name, overrides = cfg.get("topology") or run.topology, dict(cfg.get("topology_overrides") or {})
+    path = TOPOLOGIES / f"{name}.yaml"
     if not path.exists():
-        raise ValueError(f"{run.path}: topology {run.topology!r} has no file {path}")
-    topo = load_topology(path)
+        raise ValueError(f"{run.path}: topology {name!r} has no file {path}")
+    topo = topology_with(name, overrides)
     ran = run.summary.get("dilation")
     now = topo.dilation(run_geometry(run).kv_bytes_per_token)
     if ran is not None and abs(float(ran) - now) > 1e-3 * now:
-        raise ValueError(f"{run.path}: it ran {run.topology} at dilation {float(ran):g}, but {path.name} now gives "
-                         f"{now:g} (its scale or rates changed); fix: run it again (dualpath run topologies/{path.name} ...)")
+        raise ValueError(f"{run.path}: it ran {run.topology} at dilation {float(ran):g}, but {path.name}"
+                         f"{f' with {overrides}' if overrides else ''} now gives {now:g} (its scale or rates "
+                         f"changed); fix: run it again")
     return topo
 
 
@@ -406,7 +410,8 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
             m: {k: (None if final[m].get(k) is None or tgt[m].get(k) in (None, 0) else round(final[m][k] / tgt[m][k] - 1, 4))
                 for k in WEIGHTS} for m in tgt}
     sources = [{"run": str(run.path), "command": run.summary.get("command"), "topology": run.topology,
-                "aps": run.aps or 0.0, "summary_sha256": digest(run), "modes": list(run.modes)} for run in runs]
+                "aps": run.aps or 0.0, "summary_sha256": digest(run), "config": config_identity(run),
+                "modes": list(run.modes)} for run in runs]
     source = {**sources[0], "runs": sources, "dilation": runs[0].dilation,
               "fitted_by": "dualpath sim --calibrate", "fit_s": round(time.monotonic() - t_start, 1),
               "simulations": evals, "rms_relative_error": round(math.sqrt(r @ r / len(r)), 5),
@@ -486,9 +491,13 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
         "sim_mean_dispersion_without_jitter": round(statistics.fmean(tb[k] for k in keys) + g0, 4)}
 
 
-def calibrated_on(cal: Calibration) -> set[tuple[str, bool]]:
-    """The (topology, online) configurations a calibration was fitted on: those rows are not held out."""
-    return {(s.get("topology"), bool(s.get("aps"))) for s in cal.source.get("runs", [cal.source])}
+def held_out(run: Run, cal: Calibration) -> bool:
+    """Whether `run`'s configuration (config_identity) is none of those `cal` was fitted on. A
+    calibration written before it recorded them is judged by (topology name, online) alone."""
+    fitted = cal.source.get("runs", [cal.source])
+    if all("config" in s for s in fitted):
+        return config_identity(run) not in {s["config"] for s in fitted}
+    return (run.topology, bool(run.aps)) not in {(s.get("topology"), bool(s.get("aps"))) for s in fitted}
 
 
 # --------------------------------------------------------------------------- validation
@@ -513,18 +522,21 @@ def median_gap(values: Sequence[float]) -> tuple[float, float, float] | None:
     return q["p45"], q["p55"], (q["p55"] - q["p45"]) / q["p50"] if q["p50"] else math.inf
 
 
-def config_key(run: Run) -> str:
-    """What runs of one configuration share (repeats of it differ only by the order of events):
-    topology, geometry, workload, arrivals, quota."""
-    return json.dumps([run_label(run), repr(run_geometry(run)), repr(workload_of_run(run.summary)),
-                       arrival_seed(run), run.summary.get("quota_s")])
+def config_identity(run: Run) -> str:
+    """What runs of one configuration share (repeats of it differ only by the order of events),
+    whatever made them (`dualpath run` or `dualpath reproduce`, under any topology name): the
+    topology's contents, geometry, workload, arrivals, quota; a digest."""
+    spec = run_topology(run).spec.model_dump(mode="json", exclude={"name", "description"})
+    key = json.dumps([spec, repr(run_geometry(run)), repr(workload_of_run(run.summary)), run.aps or 0.0,
+                      arrival_seed(run), run.summary.get("quota_s")], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def group_repeats(runs: Sequence[Run]) -> list[list[Run]]:
     """`runs` by configuration, in the order each first appears."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(config_key(run), []).append(run)
+        groups.setdefault(config_identity(run), []).append(run)
     return list(groups.values())
 
 
@@ -557,7 +569,7 @@ def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[s
     summs = [summarize(*x, "testbed")["modes"] for x in sims]
     # the band: each nudged calibration's one simulation (seed 0), beside the calibration's own
     nudged = [summarize(*_run_sim(run, c, 0, modes, topo), "testbed")["modes"] for c in nudged_calibrations(cal)]
-    held_out = (run.topology, bool(run.aps)) not in calibrated_on(cal)
+    out_of_fit = held_out(run, cal)
     rows = []
     for m in modes:
         mine = [r for r in runs if m in r.modes]
@@ -571,7 +583,7 @@ def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[s
         bal = (None if snic_bytes < MIN_SNIC_BYTES or any(METRICS["snic"](v) is None for v in tv)
                or any(x is None for x in sv["snic"]) else round(s["snic"] - t["snic"], 4))
         rows.append({
-            "config": run_label(run), "mode": m, "held_out": held_out,
+            "config": run_label(run), "mode": m, "held_out": out_of_fit,
             "faithful": all(bool(v.get("faithful")) for v in tv), "run": str(mine[0].path),
             "runs": [str(r.path) for r in mine], "replicas": n,
             "jct_s": {"testbed": t["jct_s"], "sim": s["jct_s"], "testbed_runs": [METRICS["jct_s"](v) for v in tv],
@@ -594,7 +606,7 @@ def validate_config(runs: Sequence[Run], cal: Calibration, progress: Callable[[s
         how = (f"  ({len(mine)} runs" if len(mine) > 1 else "  (1 run") + (f", {n} simulations)" if n > 1 else ")")
         progress(f"  {r['config']:>10} {m:<12} JCT {_pct(r['jct_err'])}  TTFT p50 {_pct(r['ttft_p50_err'])}"
                  f"  p99 {_pct(r['ttft_p99_err'])}  TPOT {_pct(r['tpot_p50_err'])}  SNIC {_diff(bal)}"
-                 f"{'' if held_out else '  (calibration)'}{how}")
+                 f"{'' if out_of_fit else '  (calibration)'}{how}")
     return rows
 
 

@@ -108,7 +108,9 @@ def test_a_run_made_at_another_dilation_is_refused(tmp_path):
 
     summary = {"topology": "1p1d-io", "dilation": 3.125, "time": {"kv_bytes_per_token": {"testbed": 2048}}, "modes": {}}
     run = Run(tmp_path, summary)
-    now = sv.load_topology(REPO / "topologies" / "1p1d-io.yaml").dilation(2048)
+    from testbed.topology import load_topology
+
+    now = load_topology(REPO / "topologies" / "1p1d-io.yaml").dilation(2048)
     assert now != pytest.approx(3.125)
     with pytest.raises(ValueError, match=r"dilation 3\.125.*1p1d-io\.yaml now gives.*run it again"):
         sv.run_topology(run)
@@ -130,17 +132,29 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
     assert st["jct"] > last > run.mode("basic")["jct_testbed_s"] * 0.8
 
 
-def test_calibration_on_several_runs_holds_out_only_the_other_configurations():
-    """A calibration fitted on 1p1d-io's ladder and its online point: rows of either are not held
-    out, and 1p2d-io's (offline or online) are; a single-run calibration's source still works."""
+def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
+    """A calibration records each run's configuration (topology contents, workload, arrivals):
+    a run of one of them is not held out whatever made it (fig9's x1 run under a reproduce
+    topology name is the ladder's configuration), and another workload or topology is. A
+    calibration without the records is judged by (topology name, online) alone."""
     from emulators.sim.calibration import Calibration
+    from testbed.reproduce.runs import load_run
 
-    both = Calibration(source={"topology": "1p1d-io", "aps": 0.0, "runs": [
+    e2e = REPO / "results" / "e2e"
+    ladder, online = load_run(e2e / "ladder-1p1d-io"), load_run(e2e / "online-1p1d-io-1.5aps")
+    same_as_ladder, longer_appends = load_run(e2e / "fig9-appendx1"), load_run(e2e / "fig9-appendx4")
+    other_topology = load_run(e2e / "ladder-1p2d-io")
+    assert same_as_ladder.topology != ladder.topology  # "1p1d-io-scale0.0016": its plan's overrides
+    both = Calibration(source={"runs": [{"topology": r.topology, "aps": r.aps or 0.0, "config": sv.config_identity(r)}
+                                        for r in (ladder, online)]})
+    assert [sv.held_out(r, both) for r in (ladder, online, same_as_ladder, longer_appends, other_topology)] == \
+        [False, False, False, True, True]
+    old = Calibration(source={"topology": "1p1d-io", "aps": 0.0, "runs": [
         {"topology": "1p1d-io", "aps": 0.0}, {"topology": "1p1d-io", "aps": 1.5}]})
-    assert sv.calibrated_on(both) == {("1p1d-io", False), ("1p1d-io", True)}
-    offline_only = Calibration(source={"topology": "1p1d-io", "aps": 0.0})
-    assert sv.calibrated_on(offline_only) == {("1p1d-io", False)}
-    assert ("1p2d-io", False) not in sv.calibrated_on(both)
+    assert [sv.held_out(r, old) for r in (ladder, online, other_topology)] == [False, False, True]
+    assert sv.held_out(ladder, Calibration(source={"topology": "1p1d-io", "aps": 1.5})) is True
+    # repeats are grouped by configuration too
+    assert sv.group_repeats([ladder, longer_appends, same_as_ladder]) == [[ladder, same_as_ladder], [longer_appends]]
 
 
 def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):

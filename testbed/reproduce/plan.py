@@ -109,6 +109,23 @@ class OnlineSpec:
     seed: int = 0
 
 
+def topology_with(name: str, overrides: dict[str, Any]):
+    """topologies/<name>.yaml, validated, with `overrides` applied (the name then says so)."""
+    import yaml
+
+    from testbed.topology import load_topology, parse_topology
+
+    path = TOPOLOGIES / f"{name}.yaml"
+    if not overrides:
+        return load_topology(path)
+    raw = yaml.safe_load(path.read_text())
+    raw.update(overrides)
+    if "name" not in overrides:
+        tail = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()) if k != "description")
+        raw["name"] = (name + re.sub(r"[^A-Za-z0-9.-]", "", tail))[:60]  # the name's alphabet
+    return parse_topology(raw, source=f"{path} with {overrides}")
+
+
 @dataclass
 class RunConfig:
     """One `dualpath run`: where (topology), what (modes, workload) and how (quota, arrivals).
@@ -144,19 +161,7 @@ class RunConfig:
 
     def topology_obj(self):
         """The validated topology, with the overrides applied (its name says so)."""
-        import yaml
-
-        from testbed.topology import load_topology, parse_topology
-
-        path = TOPOLOGIES / f"{self.topology}.yaml"
-        if not self.topology_overrides:
-            return load_topology(path)
-        raw = yaml.safe_load(path.read_text())
-        raw.update(self.topology_overrides)
-        if "name" not in self.topology_overrides:
-            tail = "".join(f"-{k}{v}" for k, v in sorted(self.topology_overrides.items()) if k != "description")
-            raw["name"] = (self.topology + re.sub(r"[^A-Za-z0-9.-]", "", tail))[:60]  # the name's alphabet
-        return parse_topology(raw, source=f"{path} with {self.topology_overrides}")
+        return topology_with(self.topology, self.topology_overrides)
 
     def describe(self) -> str:
         over = f" with {self.topology_overrides}" if self.topology_overrides else ""
