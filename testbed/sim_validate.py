@@ -161,7 +161,10 @@ def digest(run: Run) -> str:
 
 
 def config_name(run: Run) -> str:
-    return run.topology
+    """A `dualpath run` run's topology; a `dualpath reproduce` run's topology file and its folder's
+    name (its workload: the topology's derived name says only which overrides it had)."""
+    cfg = (run.plan or {}).get("config")
+    return f"{cfg.get('topology')} {run.path.name}" if cfg else run.topology
 
 
 def arrival_seed(run: Run) -> int:

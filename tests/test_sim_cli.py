@@ -330,3 +330,13 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
     (tmp_path / "other" / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "kinds": {"snic": {}}}))
     with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
         sv.burst_of(tmp_path / "other", "1p1d-io")
+
+
+def test_a_reproduce_run_is_labelled_by_its_topology_file_and_folder():
+    """Runs of `dualpath reproduce` all carry the derived topology name of their overrides; their
+    validation rows must still say which workload each is."""
+    from testbed.reproduce.runs import load_run
+
+    e2e = REPO / "results" / "e2e"
+    assert sv.run_label(load_run(e2e / "fig7-64K-4a-turns4")) == "1p1d-io fig7-64K-4a-turns4"
+    assert sv.run_label(load_run(e2e / "online-1p1d-io-1.5aps")) == "1p1d-io@1.5aps"
