@@ -393,9 +393,11 @@ class SimNetwork:
         return ev
 
     def saturated(self, link: Link) -> bool:
-        """FastFlowNetwork.saturated, now."""
+        """FastFlowNetwork.saturated, now (its allocation may move the next completion: re-armed)."""
         self._sync()
-        return self.net.saturated(link)
+        full = self.net.saturated(link)
+        self._rearm()
+        return full
 
     def _sync(self) -> None:
         for f in self.net.advance_to(max(self.env.now, self.net.now)):
