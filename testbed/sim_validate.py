@@ -367,7 +367,7 @@ def calibrate(runs: Sequence[Run], progress: Callable[[str], None] = print, iter
     for run in runs:
         if not run.faithful():
             raise ValueError(f"{run.path}: not FAITHFUL in every mode ({run.unfaithful()}); no calibration from it")
-    if len({r.topology for r in runs}) > 1:
+    if len({json.dumps(topology_contents(r), sort_keys=True) for r in runs}) > 1:  # by contents: a reproduce run's name says its overrides
         raise ValueError(f"calibration runs must share one topology (the held-out ones are judged apart), got "
                          f"{', '.join(sorted({r.topology for r in runs}))}")
     extra, burst_source = burst_of(burst, runs[0].topology) if burst else ({}, None)
@@ -525,12 +525,17 @@ def median_gap(values: Sequence[float]) -> tuple[float, float, float] | None:
     return q["p45"], q["p55"], (q["p55"] - q["p45"]) / q["p50"] if q["p50"] else math.inf
 
 
+def topology_contents(run: Run) -> dict[str, Any]:
+    """The run's topology as the cluster it describes, whatever its name (a reproduce run's is
+    derived from its overrides)."""
+    return run_topology(run).spec.model_dump(mode="json", exclude={"name", "description"})
+
+
 def config_identity(run: Run) -> str:
     """What runs of one configuration share (repeats of it differ only by the order of events),
     whatever made them (`dualpath run` or `dualpath reproduce`, under any topology name): the
     topology's contents, geometry, workload, arrivals, quota; a digest."""
-    spec = run_topology(run).spec.model_dump(mode="json", exclude={"name", "description"})
-    key = json.dumps([spec, repr(run_geometry(run)), repr(workload_of_run(run.summary)), run.aps or 0.0,
+    key = json.dumps([topology_contents(run), repr(run_geometry(run)), repr(workload_of_run(run.summary)), run.aps or 0.0,
                       arrival_seed(run), run.summary.get("quota_s")], sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 

@@ -155,6 +155,8 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
     assert sv.held_out(ladder, Calibration(source={"topology": "1p1d-io", "aps": 1.5})) is True
     # repeats are grouped by configuration too
     assert sv.group_repeats([ladder, longer_appends, same_as_ladder]) == [[ladder, same_as_ladder], [longer_appends]]
+    # and a calibration may mix runs of one cluster under both names (its one-topology rule)
+    assert sv.topology_contents(same_as_ladder) == sv.topology_contents(ladder) != sv.topology_contents(other_topology)
 
 
 def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
