@@ -50,13 +50,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from emulators.sim.calibration import Calibration
-from testbed.reproduce.plan import topology_with
+from testbed.reproduce.plan import TOPOLOGIES, topology_with
 from testbed.reproduce.runs import Run
 from testbed.metrics import percentiles, token_latencies
 from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
 from testbed.topology import Topology
 
-TOPOLOGIES = Path(__file__).resolve().parent.parent / "topologies"
 STAGES = ("route", "read", "prefill", "handover", "tpot", "writeback")
 LATENCIES = ("rpc_s", "pass_fixed_s", "xfer_latency_s", "step_gap_s", "flush_fixed_s", "read_contention_s",
              "load_fixed_s")
