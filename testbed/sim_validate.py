@@ -53,6 +53,7 @@ from emulators.sim.calibration import Calibration
 from testbed.reproduce.plan import TOPOLOGIES, topology_with
 from testbed.reproduce.runs import Run
 from testbed.metrics import percentiles, token_latencies
+from testbed.paths import REPO
 from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
 from testbed.topology import Topology
 
@@ -733,21 +734,56 @@ def scatter(rows: list[dict[str, Any]], path: Path) -> Path:
     return plots.save(fig, path)
 
 
-def code_lines(codes: dict[str, dict[str, Any] | None]) -> list[str]:
-    """What the report says about the code each testbed run was made on (summary.json's `code`)."""
+def code_lines(codes: dict[str, dict[str, Any] | None],
+               calibration_codes: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
+    """What the report says about the code each testbed run was made on (summary.json's `code`),
+    and, given the calibration's runs' codes, whether the calibration was fitted on the same code."""
     known = {p: c for p, c in codes.items() if c}
-    if not known:
-        return ["Code: no run records the commit it was made on (made before runs recorded it)."]
     commits = {c["commit"] for c in known.values()}
-    dirty = any(c.get("dirty") for c in known.values())
-    lines = ["Code: " + "; ".join(f"`{p}` {c['commit'][:12]}{' (dirty)' if c.get('dirty') else ''}"
-                                  for p, c in known.items())
-             + (f"; {len(codes) - len(known)} run(s) record none" if len(known) < len(codes) else "") + "."]
-    if len(commits) > 1 or dirty:
-        lines.append(f"WARNING: the runs come from {len(commits)} commit(s){' and uncommitted changes' if dirty else ''}: "
-                     "a run made on other code measures another testbed (`git diff` between them, under dualpath/ "
-                     "and emulators/, shows what changed); re-make the older runs before trusting the errors.")
+    if not known:
+        lines = ["Code: no run records the commit it was made on (made before runs recorded it)."]
+    else:
+        dirty = any(c.get("dirty") for c in known.values())
+        lines = ["Code: " + "; ".join(f"`{p}` {c['commit'][:12]}{' (dirty)' if c.get('dirty') else ''}"
+                                      for p, c in known.items())
+                 + (f"; {len(codes) - len(known)} run(s) record none" if len(known) < len(codes) else "") + "."]
+        if len(commits) > 1 or dirty:
+            lines.append(f"WARNING: the runs come from {len(commits)} commit(s){' and uncommitted changes' if dirty else ''}: "
+                         "a run made on other code measures another testbed (`git diff` between them, under dualpath/ "
+                         "and emulators/, shows what changed); re-make the older runs before trusting the errors.")
+    if calibration_codes is None:
+        return lines
+    # The calibration's latencies are the testbed software's own costs: fitted on runs of older
+    # code, they describe a testbed that is gone (2026-12: runs of 226 commits later spent 14 %
+    # less time beyond a pass's windows, and every lightly loaded prediction came out long).
+    fitted = {c["commit"] for c in calibration_codes.values() if c}
+    if not fitted:
+        lines.append("WARNING: the calibration's runs record no commit (made before runs recorded it, or their "
+                     "folders are gone), so nothing says it models the code these runs were made on; re-fit it on "
+                     "runs of that code (`dualpath sim --calibrate`).")
+    elif fitted != commits:
+        lines.append(f"WARNING: the calibration was fitted on runs of {', '.join(sorted(c[:12] for c in fitted))}, "
+                     "not (only) the code of these runs: its latencies are another testbed's if the code changed "
+                     "in between; re-fit it on runs of this code (`dualpath sim --calibrate`).")
+    else:
+        lines.append("Calibration: fitted on runs of the same code.")
     return lines
+
+
+def calibration_codes(cal: Calibration) -> dict[str, dict[str, Any] | None]:
+    """The code each of the calibration's runs was made on, from its folder's summary.json (a path
+    relative to the repository); None where the folder is gone or its run records none."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for s in cal.source.get("runs", []):
+        if not s.get("run"):
+            continue
+        path = Path(s["run"])
+        path = path if path.is_absolute() else REPO / path
+        try:
+            out[s["run"]] = json.loads((path / "summary.json").read_text()).get("code")
+        except (OSError, ValueError):
+            out[s["run"]] = None
+    return out
 
 
 def ensemble_line(cal: Calibration, rows: list[dict[str, Any]]) -> str:
@@ -766,7 +802,8 @@ def ensemble_line(cal: Calibration, rows: list[dict[str, Any]]) -> str:
 
 
 def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg: dict[str, Any],
-                 codes: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
+                 codes: dict[str, dict[str, Any] | None] | None = None,
+                 cal_codes: dict[str, dict[str, Any] | None] | None = None) -> list[str]:
     src = cal.source
     fitted = " and ".join(f"`{s.get('run')}` (summary sha256 {s.get('summary_sha256')})" for s in src.get("runs", [src]))
     lines = [f"# dualpath sim --validate", "", f"Produced by `{command}`.", "",
@@ -792,7 +829,7 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
               f"Targets (issue 15): mean JCT <= 2 %, max <= 5 %, TTFT p50 <= 5 %, SNIC max/avg within 0.05: "
               f"{'met' if agg['meets_targets'] else 'NOT met'}.", ""]
     if codes is not None:
-        lines += code_lines(codes) + [""]
+        lines += code_lines(codes, cal_codes) + [""]
     wide = [r for r in rows if (r.get("jct_spread") or 0) > TARGETS["max_jct_err"]
             or (r.get("ttft_p50_spread") or 0) > TARGETS["ttft_p50_err"]]
     lines += [f"Sensitivity: each fitted latency moved by {SPREAD_STEP:.0%}, one at a time (one simulation each, "
@@ -828,10 +865,12 @@ def validate_to_folder(runs: Sequence[Run], cal: Calibration, folder: Path, comm
     agg = aggregate(rows)
     folder.mkdir(parents=True, exist_ok=True)
     codes = {str(r.path): r.summary.get("code") for r in runs}
+    cal_codes = calibration_codes(cal)
     summary = {"command": command, "faithful": agg["all_faithful"], "validation": rows, **agg,
                "replicas": replicas if cal.jitter else 1,
-               "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs], "run_code": codes}
+               "calibration": cal.to_dict(), "runs": [str(r.path) for r in runs], "run_code": codes,
+               "calibration_run_code": cal_codes}
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     scatter(rows, folder / "scatter.png")
-    (folder / "report.md").write_text("\n".join(report_lines(command, cal, rows, agg, codes)) + "\n")
+    (folder / "report.md").write_text("\n".join(report_lines(command, cal, rows, agg, codes, cal_codes)) + "\n")
     return folder, agg

@@ -215,6 +215,30 @@ def test_the_report_warns_when_the_runs_come_from_different_code():
                                            "recorded it)."]
 
 
+def test_the_report_says_whether_the_calibration_was_fitted_on_the_runs_code(tmp_path):
+    """A calibration fitted on runs 226 commits older than the runs it was validated against
+    modelled a testbed that was gone (every lightly loaded pass came out long): the report says
+    whether the calibration's runs, read from the folders it names, were made on the same code."""
+    from emulators.sim.calibration import Calibration
+
+    a, b = "a" * 40, "b" * 40
+    runs = {"r1": {"commit": a, "dirty": False}}
+    assert sv.code_lines(runs, {"c": {"commit": a, "dirty": False}})[-1] == "Calibration: fitted on runs of the same code."
+    other = sv.code_lines(runs, {"c": {"commit": b, "dirty": False}})
+    assert other[-1].startswith("WARNING: the calibration was fitted on runs of bbbbbbbbbbbb") and len(other) == 2
+    assert "record no commit" in sv.code_lines(runs, {"c": None})[-1]
+    assert "record no commit" in sv.code_lines({"r1": None}, {})[-1]
+    assert sv.code_lines(runs) == sv.code_lines(runs, None) == sv.code_lines(runs)[:1]  # no calibration, no line
+    (tmp_path / "c1").mkdir()
+    (tmp_path / "c1" / "summary.json").write_text(json.dumps({"code": {"commit": a, "dirty": False}}))
+    cal = Calibration(source={"runs": [{"run": str(tmp_path / "c1")}, {"run": str(tmp_path / "gone")}]})
+    assert sv.calibration_codes(cal) == {str(tmp_path / "c1"): {"commit": a, "dirty": False}, str(tmp_path / "gone"): None}
+    # the committed calibration names runs in the repository that record their code
+    committed = Calibration.load(REPO / "results" / "sim" / "calibration.json")
+    codes = sv.calibration_codes(committed)
+    assert codes and all(codes.values())
+
+
 def test_the_report_names_a_row_whose_prediction_moves_more_than_its_target():
     """Round-robin on 1p2d-io once moved its JCT from -5.8 % to +1.9 % when one write-back latency
     moved by 10 %: the order of events, not the rates, placed it. Every row gets the band of its
