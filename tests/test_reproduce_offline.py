@@ -158,6 +158,25 @@ def test_fig9_speedups_and_their_trend(tmp_path, monkeypatch):
     assert "## Projection: the paper's model, simulated" in (out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("quick", [True, False])
+def test_fig9_workloads_reach_maxlen_so_larger_appends_end_trajectories_sooner(quick):
+    """The paper's mechanism: with larger appends a trajectory reaches MaxLen in fewer turns, so
+    each turn computes more per byte it reads back. The demo workload (10 turns) hardly ever
+    reaches MaxLen, and its speed-up rose with the appends instead of falling."""
+    from dataclasses import replace
+
+    from dualpath.workload.trajectories import generate_lengths
+
+    def turns(workload):
+        return sum(len(t) for t in generate_lengths(workload.config()))
+
+    cfgs = {c.key: c for c in module("fig9").plan(quick).configs}
+    x1, x4 = cfgs["fig9/appendx1"].workload, cfgs["fig9/appendx4"].workload
+    assert turns(x4) < 0.6 * turns(x1)
+    demo = replace(x1, preset="demo", scale=1.0)
+    assert turns(replace(demo, append_scale=4.0)) > 0.95 * turns(demo)  # 1 % of its turns cut
+
+
 @pytest.mark.parametrize("fig", ["fig7", "fig9"])
 def test_without_the_calibration_a_figure_has_no_projection(tmp_path, monkeypatch, fig):
     monkeypatch.setattr(module(fig), "CALIBRATION", tmp_path / "none.json")

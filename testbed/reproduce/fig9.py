@@ -26,12 +26,12 @@ SIDES = (("append", "append_scale", "append length scale (x the trace's)"),
 
 # The paper's 32K trace, not its 64K one. The mechanism needs trajectories that reach MaxLen, so
 # that larger appends end them sooner and each turn computes more per byte read. The demo workload
-# (10 turns, never truncated) cannot show it: its contexts grow with the appends, and its speed-up
-# rose (1.87x to 1.93x; results/reproduce/fig9/20261205-042807 in git history). The 64K trace / 32
-# shows it, but weakly at the agent counts this host can run (simulated, 16 agents: 1.86x, 1.86x,
-# 1.82x at x1, x2, x4) and slowly (its x1 cell alone holds this host about 14 min). Quick's
-# generation side stops at x2: a generation scale lengthens every agent's chain of decode steps,
-# whatever the agent count, and x4 alone would take 4.5 min.
+# (10 turns, hardly ever truncated) cannot show it: its contexts grow with the appends, and its
+# speed-up rose (1.87x to 1.93x; results/reproduce/fig9/20261205-042807 in git history). The 64K
+# trace / 32 shows it, but weakly at the agent counts this host can run (simulated, 16 agents:
+# 1.86x, 1.86x, 1.82x at x1, x2, x4) and slowly (its x1 cell alone holds this host about 14 min).
+# Quick's generation side stops at x2: a generation scale lengthens every agent's chain of decode
+# steps, whatever the agent count, and x4 alone would take 4.5 min.
 TRACE = "32K"
 
 
@@ -80,7 +80,7 @@ def render(ser: dict, out: Path) -> list[str]:
         if not pts:
             continue
         fig, ax = plots.new_figure(f"Figure 9 ({'left' if side == 'append' else 'right'}): {side} length scaling, "
-                                   "Qwen2.5-32B on 1P1D", xlabel, "JCT (emulated s)")
+                                   f"Qwen2.5-32B on 1P1D, {TRACE} trace / {PAPER_SCALE}", xlabel, "JCT (emulated s)")
         xs = [p["scale"] for p in pts]
         for m in ("basic", "dualpath", "oracle"):
             plots.mode_line(ax, xs, [p["jct_s"][m] for p in pts], m)
