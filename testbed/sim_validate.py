@@ -644,11 +644,29 @@ def spread(predictions: Sequence[float | None], measured: float | None) -> float
 
 def _median_modes(tb_records: Sequence, sim_records: Sequence, tb_per_sim: float) -> dict[str, Any]:
     """The TTFTs around each side's median (testbed seconds) and whether the testbed's median lies
-    between two modes (MEDIAN_GAP)."""
+    between two modes (MEDIAN_GAP); if it does, each read path's own TTFT median on both sides,
+    since round-robin's two modes are its two paths and each has a median that means something."""
     tb, sim = median_gap(ttfts(tb_records)), median_gap([t * tb_per_sim for t in ttfts(sim_records)])
-    return {"ttft_p45_p55_s": {"testbed": tb and [round(tb[0], 4), round(tb[1], 4)],
-                               "sim": sim and [round(sim[0], 4), round(sim[1], 4)]},
-            "ttft_p50_between_modes": bool(tb and tb[2] > MEDIAN_GAP)}
+    between = bool(tb and tb[2] > MEDIAN_GAP)
+    out = {"ttft_p45_p55_s": {"testbed": tb and [round(tb[0], 4), round(tb[1], 4)],
+                              "sim": sim and [round(sim[0], 4), round(sim[1], 4)]},
+           "ttft_p50_between_modes": between}
+    if between:
+        per_path = {}
+        for path in sorted({_get(r, "path") for r in tb_records} - {None}):
+            t = percentiles(ttfts([r for r in tb_records if _get(r, "path") == path]), (50,))["p50"]
+            s = percentiles([x * tb_per_sim for x in ttfts([r for r in sim_records if _get(r, "path") == path])],
+                            (50,))["p50"]
+            per_path[path] = {"testbed": t and round(t, 4), "sim": s and round(s, 4), "err": _rel(s, t)}
+        out["ttft_p50_per_path_s"] = per_path
+    return out
+
+
+def _per_path_medians(per_path: dict[str, dict[str, Any]] | None) -> str:
+    """', and each path's own median: ...' for a report line; empty without per-path medians."""
+    parts = [f"{path.upper()} path {v['testbed']:.3g} s against {v['sim']:.3g} s ({_pct(v['err']).strip()})"
+             for path, v in (per_path or {}).items() if v.get("testbed") and v.get("sim")]
+    return (", and each read path's own median (testbed, simulated): " + "; ".join(parts)) if parts else ""
 
 
 def _pct(x: float | None) -> str:
@@ -849,7 +867,7 @@ def report_lines(command: str, cal: Calibration, rows: list[dict[str, Any]], agg
                       f"{q['testbed'][0]:.3g} s, p55 {q['testbed'][1]:.3g} s, testbed seconds; simulated "
                       f"{q['sim'][0]:.3g} s and {q['sim'][1]:.3g} s): one request more or less on either side moves "
                       "the median across the gap, so its p50 error is counted above but says little; compare the "
-                      "quantiles around it.", ""]
+                      "quantiles around it" + _per_path_medians(r.get("ttft_p50_per_path_s")) + ".", ""]
     lines += ["Calibration constants (real seconds of the testbed's software):", "", "```",
               json.dumps(cal.constants(), indent=1), "```"]
     return lines

@@ -184,20 +184,28 @@ def test_a_median_between_two_modes_is_named_in_the_report():
     one_mode = [0.5 + 0.01 * i for i in range(100)]
     assert sv.median_gap(two_modes)[2] > sv.MEDIAN_GAP > sv.median_gap(one_mode)[2]
 
-    def recs(ts):
-        return [{"error": "", "t_arrive": 1.0, "token_times": [1.0 + t, 9.0]} for t in ts]
+    def recs(ts, slow_path=1.0):  # the lower half read on the PE side, the upper on the DE side
+        return [{"error": "", "t_arrive": 1.0, "path": "pe" if t < 1.5 else "de",
+                 "token_times": [1.0 + (t if t < 1.5 else t * slow_path), 9.0]} for t in ts]
 
-    def row(mode, ts):
+    def row(mode, ts, slow_path=1.0):
         return {"config": "1p2d-io", "mode": mode, "held_out": True, "faithful": True,
                 "jct_s": {"testbed": 8.0, "sim": 8.0}, "jct_err": 0.0, "ttft_p50_err": 0.4 if ts is two_modes else 0.0,
                 "ttft_p99_err": 0.0, "tpot_p50_err": 0.0, "snic_max_over_avg": {"testbed": 1.5, "sim": 1.5},
-                "snic_balance_diff": 0.0, **sv._median_modes(recs(ts), recs(ts), 1.0)}
+                "snic_balance_diff": 0.0, **sv._median_modes(recs(ts), recs(ts, slow_path), 1.0)}
 
-    rows = [row("dualpath-rr", two_modes), row("basic", one_mode)]
+    rows = [row("dualpath-rr", two_modes, slow_path=1.1), row("basic", one_mode)]  # simulated DE reads 10 % slower
     assert [r["ttft_p50_between_modes"] for r in rows] == [True, False]
     text = "\n".join(sv.report_lines("cmd", Calibration(source={"run": "r"}), rows, sv.aggregate(rows)))
     assert "1p2d-io dualpath-rr: its testbed TTFT median lies between two modes (p45 0.946 s, p55 1.84 s" in text
     assert "1p2d-io basic:" not in text and "NOT met" in text
+    # each path's own median beside it
+    per_path = rows[0]["ttft_p50_per_path_s"]
+    assert per_path["pe"] == {"testbed": 0.745, "sim": 0.745, "err": 0.0}
+    assert per_path["de"]["err"] == pytest.approx(0.1)
+    assert "ttft_p50_per_path_s" not in rows[1]  # a unimodal row has none
+    assert "each read path's own median (testbed, simulated): DE path 2.04 s against 2.25 s (+10.0%); PE path " \
+        "0.745 s against 0.745 s (+0.0%)" in text
 
 
 def test_the_report_warns_when_the_runs_come_from_different_code():
