@@ -663,7 +663,8 @@ def _median_modes(tb_records: Sequence, sim_records: Sequence, tb_per_sim: float
 
 
 def _per_path_medians(per_path: dict[str, dict[str, Any]] | None) -> str:
-    """', and each path's own median: ...' for a report line; empty without per-path medians."""
+    """The report line's tail naming each read path's TTFT median, testbed against simulated;
+    empty without per-path medians."""
     parts = [f"{path.upper()} path {v['testbed']:.3g} s against {v['sim']:.3g} s ({_pct(v['err']).strip()})"
              for path, v in (per_path or {}).items() if v.get("testbed") and v.get("sim")]
     return (", and each read path's own median (testbed, simulated): " + "; ".join(parts)) if parts else ""
