@@ -22,6 +22,26 @@ DEMO_TOPOLOGY = DEFAULT_TOPOLOGY.parent / "1p1d-io.yaml"  # I/O-bound: where Dua
 DEMO_SCALE = 0.002
 LADDER = "basic,layerwise,dualpath-rr,dualpath,oracle"  # the paper's ablation ladder
 
+# The workload options `run` and `sim` share (dualpath/workload/spec.py: one vocabulary).
+WORKLOAD_OPT = typer.Option(None, "--workload", help="a generated workload: demo, or the paper's trace sets 32K, 48K, "
+                            "64K (lengths divided by --length-scale, default 32)")
+TRACE_OPT = typer.Option(None, "--trace", help="replay a Mooncake-format JSONL trace: its sessions (recovered from "
+                         "hash-id prefixes) as agents, arriving at its timestamps (docs: README, Workloads)")
+LENGTH_SCALE_OPT = typer.Option(None, "--length-scale", help="divide every length by this: a preset's (default 32) "
+                                "or a trace's (default 16; must divide its 512-token block into 32-token Full Blocks)")
+APPEND_SCALE_OPT = typer.Option(None, "--append-scale", help="generated workloads: each turn's append length times this")
+GEN_SCALE_OPT = typer.Option(None, "--gen-scale", help="each turn's generation length times this")
+AGENTS_OPT = typer.Option(None, "--agents", min=1, max=1_000_000, help="agents: a generated workload's trajectories "
+                          "(default 24), or a trace's first N sessions (default all)")
+TRACE_LIMIT_OPT = typer.Option(None, "--trace-limit", min=1, max=10_000_000, help="--trace: its first N requests "
+                               "(after --trace-window)")
+TRACE_WINDOW_OPT = typer.Option(None, "--trace-window", help="--trace: A:B, the requests arriving in [A, B) seconds "
+                                "of trace time")
+OFFLINE_OPT = typer.Option(False, "--offline", help="--trace: every agent starts at once (no timestamps)")
+TIME_SCALE_OPT = typer.Option(None, "--time-scale", help="--trace: trace seconds per emulated second (2: the trace "
+                              "arrives twice as fast)")
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="DualPath testbed: run DualPath for real on one Linux machine.")
 
@@ -385,13 +405,70 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             fault: Optional[list[str]] = typer.Option(None, "--fault", help="KIND[:TARGET]@T, repeatable: inject a "
                                                       "fault T emulated seconds after each mode's first request; kinds "
                                                       "snic-down, snic-up, store-crash, host-kill, pe-kill, de-kill, "
-                                                      "corrupt-block, disk-full (testbed/faults.py); seeded by --seed")) -> None:
+                                                      "corrupt-block, disk-full (testbed/faults.py); seeded by --seed"),
+            workload: Optional[str] = WORKLOAD_OPT, trace: Optional[str] = TRACE_OPT,
+            length_scale: Optional[float] = LENGTH_SCALE_OPT, append_scale: Optional[float] = APPEND_SCALE_OPT,
+            gen_scale: Optional[float] = GEN_SCALE_OPT, agents: Optional[int] = AGENTS_OPT,
+            trace_limit: Optional[int] = TRACE_LIMIT_OPT, trace_window: Optional[str] = TRACE_WINDOW_OPT,
+            offline: bool = OFFLINE_OPT, time_scale: Optional[float] = TIME_SCALE_OPT) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
+    wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
+                              trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
     _need_root()
     _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts)
+             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts)
+
+
+def _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit, trace_window,
+                      offline, time_scale, seed, first_turn_tokens=0, aps=0.0, trajectories=None):
+    """The command line's workload options, checked for conflicts now (one line and exit 2):
+    the resolved spec (dualpath.workload.spec), or None for the command's own default workload."""
+    from dualpath.workload.spec import WorkloadOptions, resolve
+
+    if trajectories is not None and agents is not None and trajectories != agents:
+        _fail(f"--trajectories {trajectories} and --agents {agents}: one count of agents; fix: give one of them")
+    o = WorkloadOptions(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit, trace_window,
+                        offline, time_scale, seed, first_turn_tokens, aps)
+    if not o.given():
+        return None
+    if agents is None and trajectories is not None:
+        o = WorkloadOptions(**{**o.__dict__, "agents": trajectories})
+    try:
+        return resolve(o)
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _spec_workload(spec, geom, dilation: float):
+    """The workload of a resolved spec: generated, or a trace replayed (its description printed).
+    A bad trace or a spec that cannot run: one line and exit 2."""
+    from dualpath.workload import TraceError, generate
+    from dualpath.workload.spec import describe_scale
+    from dualpath.workload.trace import TraceSpec, load_trace
+
+    try:
+        if isinstance(spec, TraceSpec):
+            tw = load_trace(spec, geom.block_size)
+        else:
+            typer.echo(describe_scale(spec, geom.block_size))
+            return generate(spec.config())
+    except (TraceError, ValueError) as e:
+        _fail(" ".join(str(e).split()))
+    typer.echo(describe_scale(spec, geom.block_size))
+    for line in _trace_lines(tw.stats()):
+        typer.echo(line)
+    return tw.workload(geom.block_size, dilation)
+
+
+def _trace_lines(st: dict) -> list[str]:
+    off = st["offered"]
+    load = ("offline: every agent at once" if st["offline"] else
+            f"offered load {off['agents_per_s']} agents and {off['tokens_per_s']} tokens per emulated second over "
+            f"{st['span_emulated_s']:g} emulated s" if off["agents_per_s"] else "arrivals from its timestamps")
+    return [f"trace {st['file']}: {st['requests']} requests, {st['sessions']} sessions ({st['chained_turns']} chained "
+            f"turns, at most {st['turns_max']} per session), trace block hit rate {st['trace_block_hit_rate']:.4f}; {load}"]
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
@@ -737,7 +814,8 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
              out: Path, command: str, transport: str = "tcp", quota_s: float = 0.3, first_turn_tokens: int = 0,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
              compute: Optional[str] = None, note=None, max_turns: Optional[int] = None, hosts: Optional[str] = None,
-             faults: Optional[list[str]] = None, device: str = "cpu", scale: Optional[float] = None) -> None:
+             faults: Optional[list[str]] = None, device: str = "cpu", scale: Optional[float] = None,
+             wopts=None) -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
@@ -749,7 +827,12 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
-    wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
+    if wopts is None:
+        wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
+    else:
+        if gen_len is not None or max_turns is not None:
+            _fail("--gen-len and --max-turns shape the real-text workload; with --workload or --trace, drop them")
+        wl = _spec_workload(wopts, geom, t.dilation(geom.kv_bytes_per_token))
     if note is not None:  # says what the run does about time, against the topology as written
         typer.echo(note(_topology(topology), geom))
     extra = {}
@@ -765,8 +848,10 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     text = getattr(wl, "tokenizer_dir", "")
     gens = sorted({u.gen_len for x in wl.trajectories for u in x.turns})
     typer.echo(f"workload: {len(wl.trajectories)} trajectories, {sum(len(x.turns) for x in wl.trajectories)} turns, "
-               f"shared system prompt {len(wl.system_prompt)} tokens"
-               + (f", arriving at {aps:g} per emulated second" if aps > 0 else ", all at once") + f"; model {shown_path(ckpt)}"
+               + (f"shared system prompt {len(wl.system_prompt)} tokens" if wl.trace is None else
+                  f"{len(wl.warmups())} warm-up prompt(s)")
+               + (f", arriving at {aps:g} per emulated second" if aps > 0 else
+                  "" if wl.trace is not None else ", all at once") + f"; model {shown_path(ckpt)}"
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,

@@ -43,6 +43,7 @@ from dualpath.scheduler.batching import PrefillQueue
 from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.records import Request
 from dualpath.store.keys import chain_keys
+from dualpath.workload import Trajectory
 from testbed.cluster import Cluster
 from testbed.faults import FaultLog
 from testbed.modes import MODES, connector_of  # MODES is re-exported here
@@ -442,24 +443,27 @@ class Conductor:
         del self._batchers[pe]
 
     # -- trajectories --------------------------------------------------------------------------
-    async def trajectory(self, tid: int, system_prompt: list[int], turns: list[tuple[list[int], int]],
-                         start_at: float = 0.0) -> list[RequestRecord]:
+    async def trajectory(self, tr: Trajectory, start_at: float = 0.0) -> list[RequestRecord]:
         """One agent's turns, each after the previous one's output (tool calls take no time, as
-        in the paper's replay), from `start_at` (testbed s since the conductor's start) on."""
+        in the paper's replay), from `start_at` (testbed s since the conductor's start) on; a
+        replayed trace's turn also not before its own time (`Turn.at_s` after `start_at`)."""
         if (wait := start_at - self._now()) > 0:  # online: the agent arrives later
             await asyncio.sleep(wait)
-        context = list(system_prompt)
+        generated: list[list[int]] = []
         out = []
-        for t, (append, gen_len) in enumerate(turns):
-            rec = RequestRecord(f"{self.mode}-t{tid}-r{t}", tid, t, self.mode, "")
-            rec = await self.request(rec, context + list(append), gen_len)
+        for t, turn in enumerate(tr.turns):
+            if turn.at_s is not None and (wait := start_at + turn.at_s - self._now()) > 0:
+                await asyncio.sleep(wait)
+            rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode, "")
+            rec = await self.request(rec, tr.prompt(t, generated), turn.gen_len)
             out.append(rec)
             if rec.error:
                 break  # the trajectory cannot go on without this turn's output
-            context = rec.prompt + rec.tokens
+            generated.append(rec.tokens)
         return out
 
-    async def warm(self, system_prompt: list[int]) -> RequestRecord:
-        """Persist the shared system prompt's blocks (a real request through the cluster)."""
-        rec = RequestRecord(f"{self.mode}-warmup", -1, 0, self.mode, "")
-        return await self.request(rec, list(system_prompt), 1)
+    async def warm(self, prompt: list[int], n: int = 0) -> RequestRecord:
+        """Persist a prompt's blocks before the mode's first request (the shared system prompt,
+        or a replayed trace's shared prefixes): a real request through the cluster."""
+        rec = RequestRecord(f"{self.mode}-warmup" + (f"{n}" if n else ""), -1, n, self.mode, "")
+        return await self.request(rec, list(prompt), 1)

@@ -106,9 +106,10 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
         sent0 = cluster.control_bytes()
         injector = inject = None
         try:
-            warm = await co.warm(workload.system_prompt)
-            if warm.error:
-                raise RuntimeError(f"warm-up failed: {warm.error}")
+            warm = [await co.warm(list(p), n) for n, p in enumerate(workload.warmups())]
+            bad = next((w for w in warm if w.error), None)
+            if bad is not None:
+                raise RuntimeError(f"warm-up failed: {bad.error}")
             t0 = co._now()
             if log:  # the faults count from the mode's first request
                 injector = Injector(log, cluster, fab, co, clock.dilation, seed,
@@ -116,8 +117,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
                                     progress)
                 inject = asyncio.ensure_future(injector.run(t0))
             per = await asyncio.gather(*[  # offline: every agent at t0; online: at its arrival time
-                co.trajectory(t.id, workload.system_prompt, [(list(turn.append), turn.gen_len) for turn in t.turns],
-                              start_at=t0 + (t.arrival_s or 0.0))
+                co.trajectory(t, start_at=t0 + (t.arrival_s or 0.0))
                 for t in workload.trajectories])
         finally:
             if inject is not None:  # faults due after the last request are not injected (and say so)
@@ -183,7 +183,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.faithful, res.unfaithful_reasons = fidelity_verdict(timings, steps, res.cpu_busy, res.links, res.cpu_own,
                                                             jct_s=jct, cpu_steal=res.cpu_steal)
     res.fidelity_notes = tolerated_overruns(timings, steps) if res.faithful else []
-    expected = expected_totals(_request_bytes(r, mode) for r in [warm, *recs] if not r.error)
+    expected = expected_totals(_request_bytes(r, mode) for r in [*warm, *recs] if not r.error)
     res.accounting = compare(expected, counters.first_sent(snap), tolerance=TOLERANCE)
     if fab.transport == "rdma" and mode != "oracle":  # the oracle moves no KV: nothing to prove
         res.rdma = rdma_proof(fab, snap, expected)
@@ -626,6 +626,12 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "transport": results[0].transport if results else transport, "device": device,
                     "hosts": spec.hosts, "fabric_s": {k: round(v, 2) for k, v in fab.timings.items()},
                     "workload": workload.config.to_dict(), "code": code_version(), **(extra or {})})
+    if workload.trace is not None:
+        from dualpath.workload.trace import with_run_hits
+
+        summary["trace"] = with_run_hits(workload.trace, {
+            res.mode: (sum(r.n_hit for r in res.records if not r.error),
+                       sum(r.n_prompt for r in res.records if not r.error)) for res in results})
     conv = conversation(results, checkpoint, workload)
     if conv:
         summary["conversation"] = conv

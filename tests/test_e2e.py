@@ -112,8 +112,7 @@ def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_clea
                 threading.Thread(target=killer, daemon=True).start()
                 import asyncio
                 return await asyncio.gather(*[
-                    co.trajectory(t.id, workload.system_prompt, [(list(x.append), x.gen_len) for x in t.turns])
-                    for t in workload.trajectories])
+                    co.trajectory(t) for t in workload.trajectories])
             finally:
                 await router.stop()
 

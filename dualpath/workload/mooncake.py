@@ -19,10 +19,12 @@ Prompt blocks past the end of hash_ids (shorter lists) get tokens unique to the 
 
 Scaling: `scale` divides lengths for this machine. Each 512-token trace block becomes
 512 / scale tokens (scale must divide the trace block), input_length becomes
-ceil(input_length / scale) and output_length ceil(output_length / scale).
+ceil(input_length / scale) and output_length ceil(output_length / scale), except that a partial
+tail block stays partial (one token shorter where the rounding up would complete it), so the
+scaled prompt has exactly the trace's full blocks.
 
-Every trace line becomes one single-turn request (`to_trajectories`): the trace has no session
-ids, and a replayed model generates its own tokens, so turns cannot be re-chained faithfully.
+`to_trajectories` makes every trace line a single-turn request; `dualpath.workload.trace`
+recovers the trace's sessions from its prefixes and replays them as multi-turn agents.
 
 Bad input raises `TraceError` whose message is one line naming the file, the line number and the
 field; `python -m dualpath.workload.mooncake FILE` prints that line (no traceback) and exits 2.
@@ -89,6 +91,13 @@ class TraceRequest:
     block_tokens: int  # tokens per hash block in this run: trace_block / scale
     vocab_size: int = DEFAULT_VOCAB
     salt: int = 0
+    trace_input_length: int = 0  # input_length as the trace gives it (unscaled)
+    full_blocks: int = 0  # leading hash ids that cover a whole trace block (the partial tail's does not)
+
+    @property
+    def full_ids(self) -> tuple[int, ...]:
+        """The ids of the prompt's full trace blocks: what a continuation of it begins with."""
+        return self.hash_ids[:self.full_blocks]
 
     def tokens(self) -> tuple[int, ...]:
         """The prompt's token ids (computed on demand: real traces hold millions of tokens)."""
@@ -199,10 +208,14 @@ def load_mooncake(path: str | Path, *, scale: int = 1, trace_block: int = MOONCA
             raise TraceError(path, lineno, "hash_ids",
                              f"has {len(ids)} ids but input_length {n_in} spans only {most} "
                              f"blocks of {trace_block} tokens")
+        n_scaled = math.ceil(n_in / scale)
+        if n_in % trace_block and n_scaled % block_tokens == 0:
+            n_scaled = max(1, n_scaled - 1)  # the tail stays a partial block, as in the trace
         out.append(TraceRequest(
             index=len(out), line=lineno, arrival_s=rec["timestamp"] / 1000.0,
-            input_length=math.ceil(n_in / scale), output_length=math.ceil(rec["output_length"] / scale),
-            hash_ids=tuple(ids), block_tokens=block_tokens, vocab_size=vocab_size, salt=salt))
+            input_length=n_scaled, output_length=math.ceil(rec["output_length"] / scale),
+            hash_ids=tuple(ids), block_tokens=block_tokens, vocab_size=vocab_size, salt=salt,
+            trace_input_length=n_in, full_blocks=min(len(ids), n_in // trace_block)))
     return out
 
 

@@ -52,6 +52,12 @@ LENGTH_DISTS = ("lognormal", "geometric", "fixed")
 class Turn:
     append: tuple[int, ...]  # token ids appended to the context before this turn's prefill
     gen_len: int  # tokens the model generates this turn (>= 1: prefill yields the first one)
+    # A replayed trace's turn: its whole prompt, as the trace gives it (a trace knows its own
+    # earlier answers, not the replayed model's), instead of context + append.
+    prompt: tuple[int, ...] | None = None
+    # A replayed trace's turn: the earliest start, seconds after its agent's arrival (the trace's
+    # timestamp); it never starts before the previous turn's answer. None: right after it.
+    at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Trajectory:
 
     def prompt_len(self, t: int, gen_lens: Sequence[int] | None = None) -> int:
         """Length of turn t's prompt; `gen_lens[i]` overrides turn i's planned gen_len."""
+        if self.turns[t].prompt is not None:
+            return len(self.turns[t].prompt)
         n = len(self.system_prompt)
         for i in range(t):
             n += len(self.turns[i].append) + (self.turns[i].gen_len if gen_lens is None else gen_lens[i])
@@ -74,10 +82,14 @@ class Trajectory:
 
     def final_len(self) -> int:
         """Context length after the last turn's generation (<= max_len of the generator)."""
+        if self.turns and self.turns[-1].prompt is not None:
+            return len(self.turns[-1].prompt) + self.turns[-1].gen_len
         return len(self.system_prompt) + sum(len(u.append) + u.gen_len for u in self.turns)
 
     def prompt(self, t: int, generated: Sequence[Sequence[int]]) -> list[int]:
         """Token ids of turn t's prompt, given the tokens actually generated in turns 0..t-1."""
+        if self.turns[t].prompt is not None:
+            return list(self.turns[t].prompt)
         if len(generated) < t:
             raise ValueError(f"turn {t} needs the generated tokens of {t} earlier turns, got {len(generated)}")
         out = list(self.system_prompt)
@@ -151,6 +163,15 @@ class Workload:
     config: WorkloadConfig
     system_prompt: tuple[int, ...]
     trajectories: tuple[Trajectory, ...]
+    # Prompts persisted before a mode's first request (a real request each, as the warm-up):
+    # empty means the shared system prompt alone. A replayed trace warms the prefixes its agents'
+    # first turns share (dualpath.workload.trace).
+    warm_prompts: tuple[tuple[int, ...], ...] = ()
+    trace: dict | None = None  # a replayed trace's description (dualpath.workload.trace.TraceWorkload)
+
+    def warmups(self) -> tuple[tuple[int, ...], ...]:
+        """What the warm-up persists, one request each."""
+        return self.warm_prompts or ((self.system_prompt,) if self.system_prompt else ())
 
     def __len__(self) -> int:
         return len(self.trajectories)
@@ -268,15 +289,33 @@ def turn_hits(trajectories: Iterable[Trajectory], block_size: int = DEFAULT_BLOC
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
+    seen: set[int] = set()  # the full blocks of every explicit prompt so far (a replayed trace's)
     for tr in trajectories:
         S = len(tr.system_prompt)
         ctx = S  # full context before this turn's append
         for t, turn in enumerate(tr.turns):
+            if turn.prompt is not None:
+                yield TurnHit(tr.id, t, len(turn.prompt), _stored_prefix(turn.prompt, block_size, seen))
+                continue
             kv = S if t == 0 else ctx - 1
             hit = (kv // block_size) * block_size
             yield TurnHit(tr.id, t, ctx + len(turn.append), hit)
             g = turn.gen_len if gen_tokens_fn is None else gen_tokens_fn(tr, t)
             ctx += len(turn.append) + max(1, int(g))
+
+
+def _stored_prefix(prompt: Sequence[int], block_size: int, seen: set[int]) -> int:
+    """Tokens of `prompt`'s leading full blocks already in `seen` (chained keys, so a prefix),
+    leaving at least one token to compute; adds the prompt's full blocks to `seen`."""
+    key, hit, hitting = 0, 0, True
+    for j in range(len(prompt) // block_size):
+        key = hash((key, tuple(prompt[j * block_size:(j + 1) * block_size])))
+        if hitting and key in seen:
+            hit += block_size
+        else:
+            hitting = False
+            seen.add(key)
+    return min(hit, (len(prompt) - 1) // block_size * block_size)
 
 
 def hit_rate(trajectories: Iterable[Trajectory], block_size: int = DEFAULT_BLOCK_SIZE,

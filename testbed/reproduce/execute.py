@@ -29,6 +29,11 @@ def build_workload(cfg: RunConfig, dilation: float):
     """The config's workload; online configs get Poisson arrival times (testbed seconds)."""
     from dualpath.workload import generate, poisson_arrivals, with_arrivals
 
+    if cfg.trace is not None:  # the trace's own arrivals (emulated s) on the testbed's clock
+        from dualpath.workload.trace import load_trace
+        from testbed.reproduce.plan import RUN_BLOCK_TOKENS
+
+        return load_trace(cfg.trace, RUN_BLOCK_TOKENS).workload(RUN_BLOCK_TOKENS, dilation)
     wl = generate(cfg.workload.config())
     if cfg.online:
         arr = poisson_arrivals(len(wl.trajectories), cfg.online.aps, seed=cfg.online.seed)
@@ -47,7 +52,7 @@ def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[
     k = topo.dilation(run_geometry(ckpt).kv_bytes_per_token)
     wl = build_workload(cfg, k)
     progress(f"  run {cfg.describe()}")
-    extra = {"workload_spec": cfg.to_dict()["workload"]}
+    extra = {"workload_spec": cfg.to_dict()["workload"]} if cfg.trace is None else {}
     if cfg.online:
         extra["arrivals"] = {"aps": cfg.online.aps, "seed": cfg.online.seed, "agents": len(wl.trajectories),
                              "unit": "agents per emulated second"}

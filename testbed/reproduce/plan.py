@@ -28,7 +28,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from dualpath.workload import WorkloadConfig, demo_workload, generate, scaled, turn_hits
+from dualpath.workload import generate, turn_hits
+from dualpath.workload.spec import WorkloadSpec  # noqa: F401  (the configs' vocabulary, re-exported)
+from dualpath.workload.trace import TraceSpec
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
 RUN_BLOCK_TOKENS = 32  # = testbed.experiment.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
@@ -52,53 +54,6 @@ READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD"
            "oracle": "",
            # the isolation run's conditions: each an oracle pass of the workload (testbed/isolation.py)
            "idle": "", "qos_on": "", "qos_off": ""}
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """A generated workload. preset "demo" is the README's demo workload; "32K"/"48K"/"64K" are
-    the paper's three trace sets (Table 2) with every length divided by `scale`."""
-
-    preset: str = "demo"
-    scale: float = 1.0
-    agents: int = 24
-    turns_scale: float = 1.0  # turn counts divided by this (quick sizes only; stated in reports)
-    append_scale: float = 1.0  # each turn's append length times this (fig9 left)
-    gen_scale: float = 1.0  # each turn's generation length times this (fig9 right)
-    first_turn_tokens: int = 0  # > 0: every first turn appends this many cold tokens
-    seed: int = 0
-
-    def config(self) -> WorkloadConfig:
-        if self.preset == "demo":
-            c = demo_workload(seed=self.seed, n_trajectories=self.agents, first_append_len=self.first_turn_tokens)
-        else:
-            c = scaled(self.preset, self.scale, n_trajectories=self.agents, seed=self.seed)
-            if self.first_turn_tokens:
-                c = replace(c, first_append_len=self.first_turn_tokens)
-        turns = max(1.0, c.turns_mean / self.turns_scale)
-        notes = list(c.notes)
-        if self.turns_scale != 1:
-            notes.append(f"turn counts divided by {self.turns_scale:g} (quick size)")
-        if self.append_scale != 1:
-            notes.append(f"appends x{self.append_scale:g}")
-        if self.gen_scale != 1:
-            notes.append(f"generations x{self.gen_scale:g}")
-        return replace(c, turns_mean=turns, turns_min=min(c.turns_min, max(1, int(turns))),
-                       append_mean=max(1.0, c.append_mean * self.append_scale),
-                       gen_mean=max(1.0, c.gen_mean * self.gen_scale), notes=tuple(notes))
-
-    def describe(self) -> str:
-        what = "the demo workload" if self.preset == "demo" else f"paper trace {self.preset}, lengths /{self.scale:g}"
-        bits = [what, f"{self.agents} agents"]
-        if self.turns_scale != 1:
-            bits.append(f"turns /{self.turns_scale:g}")
-        if self.append_scale != 1:
-            bits.append(f"appends x{self.append_scale:g}")
-        if self.gen_scale != 1:
-            bits.append(f"generations x{self.gen_scale:g}")
-        if self.first_turn_tokens:
-            bits.append(f"{self.first_turn_tokens}-token cold first turns")
-        return ", ".join(bits)
 
 
 @dataclass(frozen=True)
@@ -139,10 +94,15 @@ class RunConfig:
     quota_ms: int = 300
     online: OnlineSpec | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    trace: TraceSpec | None = None  # a replayed trace instead of the generated `workload`
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["modes"] = list(self.modes)
+        if self.trace is None:
+            d.pop("trace")  # the digests of configs from before traces stay what they were
+        else:
+            d["trace"] = self.trace.to_dict()
         return d
 
     def digest(self) -> str:
@@ -156,7 +116,8 @@ class RunConfig:
         """The run's folder name: from what is run, not from the key, so configs of one digest
         (e.g. fig9's x1 on both sides, fig13's and fig14's run) share one folder."""
         w = self.workload
-        name = f"{self.topology}-{w.preset}-{w.agents}a" + (f"-{self.online.aps:g}aps" if self.online else "")
+        what = f"trace{self.trace.limit or ''}" if self.trace else f"{w.preset}-{w.agents}a"
+        name = f"{self.topology}-{what}" + (f"-{self.online.aps:g}aps" if self.online else "")
         return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)[:80] + "-" + self.digest()
 
     def topology_obj(self):
@@ -166,7 +127,8 @@ class RunConfig:
     def describe(self) -> str:
         over = f" with {self.topology_overrides}" if self.topology_overrides else ""
         online = f", Poisson arrivals at {self.online.aps:g} APS (seed {self.online.seed})" if self.online else ""
-        return (f"{self.key}: {self.topology}{over}; modes {','.join(self.modes)}; {self.workload.describe()}"
+        what = self.trace.describe() if self.trace else self.workload.describe()
+        return (f"{self.key}: {self.topology}{over}; modes {','.join(self.modes)}; {what}"
                 f"{online}; quota {self.quota_ms} ms")
 
 
@@ -238,16 +200,24 @@ def _dur(s: float) -> str:
 
 
 @lru_cache(maxsize=256)
-def _workload_numbers(spec: WorkloadSpec) -> dict[str, Any]:
-    wl = generate(spec.config())
+def _workload_numbers(spec: WorkloadSpec | TraceSpec) -> dict[str, Any]:
+    span = 0.0  # a replayed trace's arrival span, emulated s
+    if isinstance(spec, TraceSpec):
+        from dualpath.workload.trace import load_trace
+
+        tw = load_trace(spec, RUN_BLOCK_TOKENS)
+        wl, span = tw.workload(RUN_BLOCK_TOKENS), tw.span_s()
+    else:
+        wl = generate(spec.config())
+    hits = iter(turn_hits(wl.trajectories, RUN_BLOCK_TOKENS))  # one store for every trajectory (a trace's prefixes)
     per_traj = []
     turns = []
     for tr in wl.trajectories:
-        hs = [h for h in turn_hits([tr], RUN_BLOCK_TOKENS)]
+        hs = [next(hits) for _ in tr.turns]
         per_traj.append([(h.hit, h.prompt_len - h.hit, u.gen_len, h.prompt_len) for h, u in zip(hs, tr.turns)])
         turns += per_traj[-1]
     return {"per_traj": per_traj, "turns": turns, "hit_tokens": sum(t[0] for t in turns), "requests": len(turns),
-            "prompt_tokens": sum(t[3] for t in turns)}
+            "prompt_tokens": sum(t[3] for t in turns), "span_s": span}
 
 
 def estimate(cfg: RunConfig) -> dict[str, Any]:
@@ -255,7 +225,7 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
     from testbed.fidelity import payload_share
 
     topo = cfg.topology_obj()
-    wn = _workload_numbers(cfg.workload)
+    wn = _workload_numbers(cfg.trace or cfg.workload)
     k = topo.dilation(DEMO_KV_BYTES_PER_TOKEN)
     tgt = topo.target()
     pc, dc = tgt.prefill_cost(), tgt.decode_cost()
@@ -268,7 +238,7 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
 
     serial = max((chain(t) for t in wn["per_traj"]), default=0.0) * k
     pe_work = sum(pc.request_cost(hit, miss) for hit, miss, _, _ in wn["turns"]) * k / (p * g)
-    span = 0.0
+    span = wn["span_s"] * k
     if cfg.online:
         span = (cfg.workload.agents - 1) / cfg.online.aps * k
     per_mode, limited = {}, {}
@@ -278,7 +248,7 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
         chain_s = span + serial
         t = max(io, chain_s, pe_work)
         limited[m] = "storage NICs" if t == io else "prefill engines" if t == pe_work else \
-            ("arrivals" if cfg.online else "the longest agent's chain of turns")
+            ("arrivals" if cfg.online or wn["span_s"] else "the longest agent's chain of turns")
         per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
     verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(READERS.get(m, "P") != "" for m in cfg.modes)
     total = SETUP_S + sum(per_mode.values()) + verify
