@@ -28,7 +28,7 @@ WORKLOAD_OPT = typer.Option(None, "--workload", help="a generated workload: demo
 TRACE_OPT = typer.Option(None, "--trace", help="replay a Mooncake-format JSONL trace: its sessions (recovered from "
                          "hash-id prefixes) as agents, arriving at its timestamps (docs: README, Workloads)")
 LENGTH_SCALE_OPT = typer.Option(None, "--length-scale", help="divide every length by this: a preset's (default 32) "
-                                "or a trace's (default 16; must divide its 512-token block into 32-token Full Blocks)")
+                                "or a trace's (default 16: a 512-token trace block becomes one 32-token Full Block; must divide 512)")
 APPEND_SCALE_OPT = typer.Option(None, "--append-scale", help="generated workloads: each turn's append length times this")
 GEN_SCALE_OPT = typer.Option(None, "--gen-scale", help="each turn's generation length times this")
 AGENTS_OPT = typer.Option(None, "--agents", min=1, max=1_000_000, help="agents: a generated workload's trajectories "
@@ -581,7 +581,8 @@ SIM_CALIBRATION = Path("results/sim/calibration.json")
 def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML (testbed's, or topologies/sim/ "
                                                       "with --units target)"),
             modes: str = typer.Option(LADDER, help="comma-separated modes"),
-            trajectories: int = typer.Option(24, min=1, max=1_000_000, help="agentic trajectories"),
+            trajectories: Optional[int] = typer.Option(None, min=1, max=1_000_000, help="agentic trajectories "
+                                                       "(default 24; the same as --agents)"),
             seed: int = typer.Option(0, help="workload seed"),
             first_turn_tokens: int = typer.Option(0, min=0, max=1_000_000, help="each trajectory's first turn "
                                                   "appends this many tokens (0: the workload's own)"),
@@ -604,8 +605,15 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
             replicas: int = typer.Option(8, min=1, max=100, help="with --validate: simulations per configuration "
                                          "(seeds 0, 1, ...) whose mean is compared, when the calibration has jitter"),
             quick: bool = typer.Option(False, "--quick", help="with --calibrate: fewer fit iterations"),
-            out: Path = typer.Option(Path("results/sim"), help="where the run's folder goes")) -> None:
+            out: Path = typer.Option(Path("results/sim"), help="where the run's folder goes"),
+            workload: Optional[str] = WORKLOAD_OPT, trace: Optional[str] = TRACE_OPT,
+            length_scale: Optional[float] = LENGTH_SCALE_OPT, append_scale: Optional[float] = APPEND_SCALE_OPT,
+            gen_scale: Optional[float] = GEN_SCALE_OPT, agents: Optional[int] = AGENTS_OPT,
+            trace_limit: Optional[int] = TRACE_LIMIT_OPT, trace_window: Optional[str] = TRACE_WINDOW_OPT,
+            offline: bool = OFFLINE_OPT, time_scale: Optional[float] = TIME_SCALE_OPT) -> None:
     """Simulate a cluster (emulators/sim): the testbed's scheduler and cost model at any scale."""
+    wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
+                              trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
     from emulators.sim.calibration import UNCALIBRATED, Calibration
 
     command = " ".join(["dualpath", *sys.argv[1:]])
@@ -673,19 +681,45 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         _fail(f"--modes: unknown mode(s) {','.join(bad)[:80] or repr(modes[:80])}; fix: choose from {','.join(MODES)}")
     if units not in ("testbed", "target"):
         _fail(f"--units: {units[:40]!r} is not testbed or target")
-    from dualpath.workload import demo_workload
-
-    try:
-        wcfg = demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens)
-    except ValueError as e:
-        _fail(str(e))
+    wcfg, tw = _sim_workload(wopts, trace is not None and length_scale is None and units == "target",
+                             seed, trajectories or 24, first_turn_tokens)
     run_dir = out / time.strftime("%Y%m%d-%H%M%S")
-    summary = run_sim_to_folder(t, wcfg, mode_list, run_dir, command, units=units, cal=cal, quota_s=quota_ms / 1000,
-                                aps=aps or None, seed=seed, progress=typer.echo)
+    try:
+        summary = run_sim_to_folder(t, wcfg, mode_list, run_dir, command, units=units, cal=cal,
+                                    quota_s=quota_ms / 1000, aps=aps or None, seed=seed, progress=typer.echo, trace=tw)
+    except ValueError as e:
+        _fail(" ".join(str(e).split()))
     for m, v in summary["modes"].items():
         typer.echo(f"  {m}: JCT {v['jct_s']:.4g} s, TTFT p50 {v['ttft_s']['p50']}, TPOT p50 {v['tpot_s']['p50']}, "
                    f"SNIC max/avg {v['snic_max_over_avg']}")
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md")
+
+
+def _sim_workload(wopts, own_scale: bool, seed: int, trajectories: int, first_turn_tokens: int):
+    """`dualpath sim`'s workload: (WorkloadConfig, None) generated, or (its config, TraceWorkload)
+    replayed; a trace in target units defaults to its own lengths (scale 1). One line and exit 2
+    for a bad trace or a workload that cannot be generated."""
+    from dataclasses import replace
+
+    from dualpath.workload import TraceError, demo_workload
+    from dualpath.workload.spec import describe_scale
+    from dualpath.workload.trace import TraceSpec, load_trace
+    from testbed.sim import RUN_BLOCK_TOKENS
+
+    try:
+        if wopts is None:
+            return demo_workload(seed=seed, n_trajectories=trajectories, first_append_len=first_turn_tokens), None
+        if not isinstance(wopts, TraceSpec):
+            typer.echo(describe_scale(wopts, RUN_BLOCK_TOKENS))
+            return wopts.config(), None
+        spec = replace(wopts, length_scale=1) if own_scale else wopts
+        tw = load_trace(spec, RUN_BLOCK_TOKENS)
+    except (TraceError, ValueError) as e:
+        _fail(" ".join(str(e).split()))
+    typer.echo(describe_scale(spec, RUN_BLOCK_TOKENS))
+    for line in _trace_lines(tw.stats()):
+        typer.echo(line)
+    return tw.config(), tw
 
 
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,

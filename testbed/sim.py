@@ -16,6 +16,11 @@ every engine's HBM in tokens and every node's DRAM buffer. Two time bases:
 `simulate` runs modes over a workload and `summarize` writes the summary.json fields of a
 `dualpath run` (testbed.experiment.summarize), from the same arithmetic (testbed.metrics), so one
 report and one plot code read both.
+
+A trace (dualpath.workload.trace.TraceWorkload) replaces the generated workload: its sessions are
+agents whose turns carry their own prompts' block keys (`trace_turns`), so hits come from one store
+shared by every agent, as on the testbed; the summary's `trace` object says how the run's hit rate
+compares with the one the trace's prefixes allow.
 """
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ from typing import Any, Callable, Sequence
 
 from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
 from dualpath.workload import WorkloadConfig, demo_workload, generate_lengths, poisson_arrivals
+from dualpath.workload.trace import TraceWorkload, block_keys, with_run_hits
 from emulators.nic import burst_bytes
 from emulators.sim.calibration import UNCALIBRATED, Calibration
-from emulators.sim.cluster import ClusterSim, SimConfig, SimResult, TrajectorySpec
+from emulators.sim.cluster import ClusterSim, SimConfig, SimResult, TraceTurn, TrajectorySpec
 from testbed.fidelity import payload_share
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.modes import PATH_POLICY, connector_of
@@ -103,17 +109,69 @@ def trajectories(wcfg: WorkloadConfig, dilation: float, aps: float | None = None
             for i, (turns, a) in enumerate(zip(lengths, arr))]
 
 
-def simulate(cfg: SimConfig, trajs: Sequence[TrajectorySpec], modes: Sequence[str],
-             progress: Callable[[str], None] = lambda s: None) -> dict[str, SimResult]:
-    out = {}
+def trace_trajectories(tw: TraceWorkload, cfg: SimConfig) -> list[TrajectorySpec]:
+    """The trace's sessions as agents: each turn its request's own prompt (its Full Blocks' keys)
+    and generation, arrivals and turn times in simulation seconds (emulated times the dilation)."""
+    bs = cfg.block_size
+    out = []
+    for sid, (s, (arrive, ats)) in enumerate(zip(tw.sessions, tw.arrivals(cfg.dilation))):
+        reqs = [tw.requests[i] for i in s]
+        turns = [TraceTurn(r.input_length, tw.gen_len(r), block_keys(r, bs), at) for r, at in zip(reqs, ats)]
+        out.append(TrajectorySpec(sid, 0, [(t.prompt_len, t.gen_len) for t in turns], arrive, trace_turns=turns))
+    return out
+
+
+def check_trace_fits(trajs: Sequence[TrajectorySpec], cfg: SimConfig, moves_kv: bool = True) -> None:
+    """Refuse, in one line, trace turns no engine or buffer of the cluster could ever take: the
+    scheduler admits a prompt only into a decode engine's free HBM, and a request holds its DE
+    area and its write-back in one node's DRAM buffer at once; one that never fits never runs,
+    and the simulation would wait for it for ever (its leaders' heartbeats go on)."""
+    bs = cfg.block_size
+    turns = [t for tr in trajs for t in (tr.trace_turns or ())]
+
+    def least_held(p: int, g: int) -> int:  # on its DE node: the prompt's area, the write-back past every hit
+        return (cfg.blocks_spanned(p) + (p + g - 1) // bs - (p - 1) // bs) * cfg.full_block_bytes
+
+    hbm = sum(t.prompt_len > cfg.hbm_tokens for t in turns)
+    buf = sum(t.prompt_len <= cfg.hbm_tokens and least_held(t.prompt_len, t.gen_len) > cfg.buffer_bytes
+              for t in turns) if moves_kv else 0
+    if hbm or buf:
+        raise ValueError(
+            f"{hbm + buf} of the trace's {len(turns)} requests can never run on this cluster: {hbm} prompts longer "
+            f"than a decode engine's HBM ({cfg.hbm_tokens} tokens at {cfg.kv_bytes_per_token} B/token), {buf} "
+            f"whose KV outgrows a node's {cfg.buffer_bytes / 2 ** 30:g} GiB DRAM buffer (longest prompt "
+            f"{max(t.prompt_len for t in turns)} tokens); raise the length scale or choose a larger topology")
+
+
+def simulate(cfg: SimConfig, trajs: Sequence[TrajectorySpec] | None, modes: Sequence[str],
+             progress: Callable[[str], None] = lambda s: None,
+             trace: TraceWorkload | None = None) -> dict[str, SimResult]:
+    """Each mode over the agents. With `trace`, every mode starts from the store its warm-up
+    persists (TraceWorkload.warm_keys), and `trajs` may be None: the trace's own agents."""
+    if trace is not None and trajs is None:
+        trajs = trace_trajectories(trace, cfg)
+    if trajs is None:
+        raise ValueError("simulate: give the agents (trajs) or a trace")
+    warm = trace.warm_keys(cfg.block_size) if trace is not None else ()
     for m in modes:
         if m not in PATH_POLICY:
             raise ValueError(f"unknown mode {m!r}; expected some of {', '.join(PATH_POLICY)}")
-        sim = ClusterSim(cfg, m, connector_of(m), PATH_POLICY[m], trajs)
+    check_trace_fits(trajs, cfg, moves_kv=any(connector_of(m) != "oracle" for m in modes))
+    out = {}
+    for m in modes:
+        sim = ClusterSim(cfg, m, connector_of(m), PATH_POLICY[m], trajs, warm_keys=warm)
         out[m] = r = sim.run()
+        rate = f", {len(r.records) / r.wall_s:.0f} requests/s" if r.wall_s > 0 else ""
         progress(f"  {m}: JCT {r.jct_s / cfg.dilation:.4g} s emulated, {len(r.records)} requests, "
-                 f"{r.wall_s:.1f} s to simulate")
+                 f"{r.wall_s:.1f} s to simulate{rate}")
     return out
+
+
+def trace_summary(tw: TraceWorkload, results: dict[str, SimResult]) -> dict[str, Any]:
+    """The summary's `trace` object (dualpath.workload.trace.with_run_hits), as a testbed run's."""
+    ok = {m: [r for r in res.records if not r.error] for m, res in results.items()}
+    return with_run_hits(tw.stats(), {m: (sum(r.n_hit for r in recs), sum(r.n_prompt for r in recs))
+                                      for m, recs in ok.items()})
 
 
 def _latencies(recs) -> list[dict]:
@@ -166,6 +224,7 @@ def mode_summary(res: SimResult, cfg: SimConfig, p: int, d: int) -> dict[str, An
         "decode": {"segments": res.decode_segments, "steps": res.decode_steps,
                    "mean_batch": round(res.decode_step_tokens / res.decode_steps, 2) if res.decode_steps else None},
         "simulation": {"wall_s": round(res.wall_s, 2), "network_events": res.events, "seed": cfg.seed,
+                       "requests_per_wall_s": round(len(res.records) / res.wall_s, 1) if res.wall_s > 0 else None,
                        "latency_jitter": cfg.calibration.jitter, **res.network},
     }
 
@@ -222,22 +281,37 @@ def write_results(run_dir: Path, summary: dict[str, Any], results: dict[str, Sim
 MAX_RECORDS = 50_000  # more requests than this: summary and passes only (records.jsonl would be GBs)
 
 
-def run_sim_to_folder(topo: Topology, wcfg: WorkloadConfig, modes: Sequence[str], run_dir: Path, command: str,
-                      units: str = "testbed", cal: Calibration = UNCALIBRATED, quota_s: float = DEFAULT_QUOTA_S,
-                      aps: float | None = None, seed: int = 0, pe_groups: str = "one",
-                      progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """`dualpath sim`: simulate the modes on the topology and write the run folder; the summary."""
+def run_sim_to_folder(topo: Topology, wcfg: WorkloadConfig | None, modes: Sequence[str], run_dir: Path,
+                      command: str, units: str = "testbed", cal: Calibration = UNCALIBRATED,
+                      quota_s: float = DEFAULT_QUOTA_S, aps: float | None = None, seed: int = 0,
+                      pe_groups: str = "one", progress: Callable[[str], None] = lambda s: None,
+                      trace: TraceWorkload | None = None) -> dict[str, Any]:
+    """`dualpath sim`: simulate the modes on the topology and write the run folder; the summary.
+    With `trace`, its agents, arrivals and warm-up replace the generated workload's (wcfg is then
+    ignored: the summary records trace.config()) and the summary gains a `trace` object."""
+    if trace is not None and aps:
+        raise ValueError("a trace brings its own arrivals (its timestamps, or none offline); drop --aps")
     if units == "target":
         cal = cal.without_host()  # a projected cluster has no testbed host whose CPU fills
     cfg = sim_config(topo, units=units, cal=cal, quota_s=quota_s, pe_groups=pe_groups)
-    trajs = trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=seed)
+    if trace is not None:
+        wcfg = trace.config()
+        trajs = trace_trajectories(trace, cfg)
+        how = f", {trace.spec.describe()}"
+    else:
+        trajs = trajectories(wcfg, cfg.dilation, aps=aps, arrival_seed=seed)
+        how = f", {aps:g} agents per second" if aps else ", offline"
     progress(f"simulating {topo.name} ({units} units, dilation {cfg.dilation:g}): {len(trajs)} agents, "
-             f"{sum(len(t.turns) for t in trajs)} requests" + (f", {aps:g} agents per second" if aps else ", offline"))
+             f"{sum(t.n_requests for t in trajs)} requests{how}")
     t = time.perf_counter()
-    results = simulate(cfg, trajs, modes, progress)
+    results = simulate(cfg, trajs, modes, progress, trace=trace)
     extra: dict[str, Any] = {"wall_s": round(time.perf_counter() - t, 2)}
     if aps:
         extra["arrivals"] = {"aps": aps, "seed": seed, "agents": len(trajs), "unit": "agents per emulated second"}
+    if trace is not None:
+        extra["trace"] = tr = trace_summary(trace, results)
+        progress(f"  hit rate {tr['run_hit_rate']:.4f} over every mode's requests "
+                 f"(the trace's prefixes allow {tr['trace_block_hit_rate']:.4f})")
     summary = summarize(results, cfg, topo, wcfg, units, extra)
     n_req = sum(len(r.records) for r in results.values())
     write_results(run_dir, summary, results, command, records=n_req <= MAX_RECORDS)

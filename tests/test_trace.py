@@ -177,11 +177,33 @@ def test_conflicting_options_are_refused_in_one_line(opts, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("scale, words", [(3, "must divide the trace block"), (32, "choose one of 1, 2, 4, 8, 16")])
-def test_scale_that_does_not_make_whole_full_blocks_is_refused(tmp_path, scale, words):
+@pytest.mark.parametrize("scale, run_block, words", [(3, 32, "must divide the trace block"),
+                                                     (16, 48, "neither holds whole 48-token Full Blocks")])
+def test_scale_that_does_not_make_whole_full_blocks_is_refused(tmp_path, scale, run_block, words):
     rows, _ = known_trace(n_sessions=1, n_turns=1)
     with pytest.raises(ValueError, match=words):
-        load_trace(TraceSpec(str(write(tmp_path / "t.jsonl", rows)), length_scale=scale), 32)
+        load_trace(TraceSpec(str(write(tmp_path / "t.jsonl", rows)), length_scale=scale), run_block)
+
+
+@pytest.mark.parametrize("scale", [32, 64])
+def test_trace_blocks_smaller_than_a_full_block_still_replay(tmp_path, scale):
+    """At / 32 a trace block is 16 tokens, half a Full Block: the keys still equal exactly where
+    the tokens do; hits count whole Full Blocks only, so never more than the trace allows."""
+    rows, _ = known_trace()
+    tw = load_trace(TraceSpec(str(write(tmp_path / "t.jsonl", rows)), length_scale=scale), 32)
+    reqs = tw.requests
+    for a in reqs[:6]:
+        for b in reqs[:6]:
+            ka, kb = block_keys(a, 32), block_keys(b, 32)
+            n = min(len(ka), len(kb))
+            same = next((i for i in range(n) if ka[i] != kb[i]), n)
+            ta, tb = a.tokens(), b.tokens()
+            assert same == next((i for i in range(n) if ta[32 * i:32 * i + 32] != tb[32 * i:32 * i + 32]), n)
+    wl = tw.workload(32)
+    order = sorted((tw.requests[i].index, sid, t) for sid, s in enumerate(tw.sessions) for t, i in enumerate(s))
+    from dualpath.workload.trajectories import Trajectory
+    flat = [Trajectory(n, (), (wl.trajectories[sid].turns[t],)) for n, (_, sid, t) in enumerate(order)]
+    assert 0 < hit_rate(flat, 32) <= tw.stats()["trace_block_hit_rate"]
 
 
 def test_presets_and_defaults():
@@ -207,3 +229,34 @@ def test_conversation_trace_count_matches_the_file():
     st = tw.stats()
     assert st["requests"] == 2000 and st["trace_block_hit_rate"] == pytest.approx(direct_count(rows), abs=1e-6)
     assert 0 < st["chained_turns"] < 2000 and st["sessions"] + st["chained_turns"] == 2000
+
+
+BAD_TRACES = [
+    ('{"timestamp": 0, "input_length": 10}\n', "field 'output_length': missing"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": []}\n', "must be >= 0"),
+    ("not json\n", "not valid JSON"),
+    ("\n", "holds no request"),
+]
+
+
+@pytest.mark.parametrize("command", ["sim", "run"])
+@pytest.mark.parametrize("text, words", BAD_TRACES)
+def test_every_command_gives_the_loaders_one_line(tmp_path, command, text, words):
+    from tests.conftest import dualpath, is_root
+
+    if command == "run" and not is_root():
+        pytest.skip("dualpath run needs root (it refuses before reading the trace otherwise)")
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    r = dualpath(command, "topologies/1p1d-io.yaml", "--trace", str(p), "--modes", "dualpath",
+                 "--out", str(tmp_path / "out"), timeout=120)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and words in err[0] and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_sim_refuses_conflicting_workload_options_in_one_line(tmp_path):
+    from tests.conftest import dualpath
+
+    r = dualpath("sim", "topologies/1p1d-io.yaml", "--trace", "x.jsonl", "--workload", "64K", timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "dualpath: --trace and --workload name two workloads; fix: give one of them"

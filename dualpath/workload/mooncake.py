@@ -29,8 +29,10 @@ recovers the trace's sessions from its prefixes and replays them as multi-turn a
 Bad input raises `TraceError` whose message is one line naming the file, the line number and the
 field; `python -m dualpath.workload.mooncake FILE` prints that line (no traceback) and exits 2.
 
+A gzip-compressed trace (`.jsonl.gz`, recognised by its magic bytes) is read the same way.
+
 Bounds (whatever the file holds, reading stays bounded in time and memory): only a regular file
-is read (a FIFO would block, /dev/zero never ends), at most MAX_TRACE_BYTES of it before
+is read (a FIFO would block, /dev/zero never ends), at most MAX_TRACE_BYTES of it (decompressed) before
 `max_requests` stops the read, and at most MAX_LINE_BYTES per line; JSON nested too deeply
 or with integers too long for Python is a TraceError like any other; input_length is at most
 MAX_INPUT_LENGTH tokens (the published traces peak near 128K; tokens() materializes the whole
@@ -44,11 +46,13 @@ lazy import in dualpath/workload/__init__.py, which is not this module's to chan
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import stat
 import sys
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -235,14 +239,21 @@ def _lines(path: str | Path) -> Iterable[tuple[int, bytes]]:
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device or other"
         raise TraceError(path, None, None, f"is {kind}, not a regular file; give the path of a JSONL trace")
-    with os.fdopen(fd, "rb") as f:
+    raw = os.fdopen(fd, "rb")
+    try:
+        gz = raw.read(2) == b"\x1f\x8b"  # gzip's magic: read it decompressed (the total bound applies to that)
+        raw.seek(0)
+    except OSError as e:
+        raw.close()
+        raise TraceError(path, None, None, f"cannot read: {e.strerror or e}") from None
+    with (gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw) as f, raw:
         total = 0
         lineno = 0
         while True:
             try:
                 bline = f.readline(MAX_LINE_BYTES + 2)
-            except OSError as e:
-                raise TraceError(path, lineno + 1, None, f"cannot read: {e.strerror or e}") from None
+            except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt gzip stream too
+                raise TraceError(path, lineno + 1, None, f"cannot read: {getattr(e, 'strerror', None) or e}") from None
             if not bline:
                 return
             lineno += 1

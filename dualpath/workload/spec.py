@@ -155,8 +155,11 @@ def _trace(o: WorkloadOptions, default_scale: int) -> TraceSpec:
 def describe_scale(spec: WorkloadSpec | TraceSpec, run_block: int) -> str:
     """The line a run prints about its length scale and block sizes."""
     if isinstance(spec, TraceSpec):
-        return (f"length scale {spec.length_scale}: a 512-token trace block is {spec.block_tokens()} tokens here "
-                f"({spec.block_tokens() // run_block} of the run's {run_block}-token Full Blocks)")
+        b = spec.block_tokens()
+        per = f"{b // run_block} of the run's" if b >= run_block else f"1/{run_block // b} of the run's"
+        return (f"length scale {spec.length_scale}: a 512-token trace block is {b} tokens here ({per} {run_block}-token "
+                f"Full Blocks)" + ("" if b >= run_block else "; hits count whole Full Blocks only, so the run hits "
+                                                              "less than the trace's prefixes allow"))
     if spec.preset == "demo":
         return f"the demo workload at its own lengths; the run's Full Block is {run_block} tokens"
     max_len = int(spec.preset[:-1]) * 1024

@@ -72,10 +72,9 @@ class TraceSpec:
             raise ValueError(f"--length-scale {s}: must divide the trace block of {MOONCAKE_BLOCK} tokens "
                              f"(1, 2, 4, ..., {MOONCAKE_BLOCK})")
         block = MOONCAKE_BLOCK // s
-        if block % run_block:
-            ok = [x for x in (1, 2, 4, 8, 16, 32, 64) if (MOONCAKE_BLOCK // x) % run_block == 0]
-            raise ValueError(f"--length-scale {s}: a trace block becomes {block} tokens, not a whole number of "
-                             f"the run's {run_block}-token Full Blocks; choose one of {', '.join(map(str, ok))}")
+        if block % run_block and run_block % block:  # both are powers of two here; a run's block may not be
+            raise ValueError(f"--length-scale {s}: a trace block becomes {block} tokens, which neither holds whole "
+                             f"{run_block}-token Full Blocks nor fills one with whole trace blocks")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--trace-limit {self.limit}: must be >= 1")
         if self.agents is not None and self.agents < 1:
@@ -186,13 +185,19 @@ def trace_block_hit_rate(requests: Sequence[TraceRequest]) -> dict:
 def block_keys(r: TraceRequest, block_size: int) -> tuple[int, ...]:
     """Chained keys of the prompt's full `block_size`-token blocks, from its hash ids alone (the
     simulator's store, without materializing tokens): equal keys exactly where `tokens()` gives
-    equal token prefixes (a sub-block of a hash block is the same tokens wherever that id is)."""
-    per = r.block_tokens // block_size
+    equal token prefixes. A Full Block is a piece of one hash block (the same tokens wherever that
+    id is), or whole hash blocks when they are smaller (a full block never holds a partial tail)."""
+    def tag(j: int) -> tuple:
+        return ("h", r.hash_ids[j]) if j < len(r.hash_ids) else ("u", r.index, j)
+
     out, key = [], 0
     for b in range(r.input_length // block_size):
-        j, i = divmod(b, per)
-        tag = ("h", r.hash_ids[j]) if j < len(r.hash_ids) else ("u", r.index, j)
-        key = hash((key, tag, i))
+        if block_size <= r.block_tokens:
+            j, i = divmod(b * block_size, r.block_tokens)
+            key = hash((key, tag(j), i))
+        else:
+            per = block_size // r.block_tokens
+            key = hash((key, tuple(tag(j) for j in range(b * per, (b + 1) * per))))
         out.append(key)
     return tuple(out)
 

@@ -101,14 +101,31 @@ class SimConfig:
         return -(-n_tokens // self.block_size)
 
 
+@dataclass(frozen=True)
+class TraceTurn:
+    """One turn of a replayed trace agent (dualpath.workload.trace): its own prompt, not the
+    previous context plus an append, so its hits come from a store shared by every agent."""
+
+    prompt_len: int
+    gen_len: int
+    keys: tuple[int, ...]  # chained keys of the prompt's Full Blocks (equal exactly where prefixes are)
+    at_s: float | None = None  # earliest start after the agent's arrival; None: after the previous turn
+
+
 @dataclass
 class TrajectorySpec:
-    """One agent: its shared system prompt, its turns' (append, gen) lengths, when it arrives."""
+    """One agent: its shared system prompt, its turns' (append, gen) lengths, when it arrives.
+    With `trace_turns` it replays those instead (`turns` then only counts them: (prompt, gen))."""
 
     id: int
     system_prompt_len: int
     turns: Sequence[tuple[int, int]]
     arrival_s: float = 0.0  # simulation seconds after the start (every group's leader has reported)
+    trace_turns: Sequence[TraceTurn] | None = None
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.trace_turns) if self.trace_turns is not None else len(self.turns)
 
 
 @dataclass
@@ -402,7 +419,8 @@ class ClusterSim:
     """One mode of one cluster over one workload; `run()` returns a SimResult."""
 
     def __init__(self, cfg: SimConfig, mode: str, connector: str, path_policy: str,
-                 trajectories: Sequence[TrajectorySpec], cal: Calibration | None = None):
+                 trajectories: Sequence[TrajectorySpec], cal: Calibration | None = None,
+                 warm_keys: Sequence[tuple[int, ...]] = ()):
         self.cfg, self.mode, self.connector = cfg, mode, connector
         dc = cfg.decode_cost
         if dc.context_cap > 0 and dc.per_capped_context:
@@ -451,6 +469,9 @@ class ClusterSim:
         self._jobs: dict[str, _PrefillJob] = {}
         self._batching: set[str] = set()
         self.stored: dict[int, int] = {}  # trajectory -> leading Full Blocks of its context in the store
+        # Trace agents share one store, keyed by block: what the warm-up persisted before the mode's
+        # first request, then every prompt block a request's write-back (or the oracle) persists.
+        self.stored_keys: set[int] = {k for ks in warm_keys for k in ks}
         self.records: list[SimRecord] = []
         self.passes: list[dict] = []
         self._wb_links = {}
@@ -656,13 +677,37 @@ class ClusterSim:
             self.records.append(rec)
             ctx = prompt_len + gen
 
-    def _request(self, rec: SimRecord, prompt_len: int, gen_len: int):
+    def _trace_agent(self, tr: TrajectorySpec):
+        """A replayed trace agent: each turn starts at its trace time, but never before the previous
+        turn's answer (an agent waits for its own output)."""
+        env = self.env
+        if tr.arrival_s > 0:
+            yield env.timeout(tr.arrival_s)
+        arrived = env.now
+        for t, turn in enumerate(tr.trace_turns):
+            if turn.at_s is not None and arrived + turn.at_s > env.now:
+                yield env.timeout(arrived + turn.at_s - env.now)
+            rec = SimRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
+            yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys)
+            self.records.append(rec)
+
+    def _stored_run(self, keys: Sequence[int]) -> int:
+        """Leading blocks of `keys` the shared store holds (the store's match_prefix)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.stored_keys:
+            n += 1
+        return n
+
+    def _request(self, rec: SimRecord, prompt_len: int, gen_len: int, keys: Sequence[int] | None = None):
+        """One request. `keys` (a trace turn's block keys) looks its hits up in the shared store;
+        without them the trajectory's own stored context is what hits."""
         env, cfg, cal = self.env, self.cfg, self.cal
         rpc = cal.rpc_s
         bs, kvb = cfg.block_size, cfg.kv_bytes_per_token
         rec.t_arrive = env.now
         rec.gen_len, rec.n_prompt = gen_len, prompt_len
-        n_hit_blocks = min(self.stored[rec.trajectory], (prompt_len - 1) // bs)  # match_prefix
+        stored = self.stored[rec.trajectory] if keys is None else self._stored_run(keys)
+        n_hit_blocks = min(stored, (prompt_len - 1) // bs)  # match_prefix: at least one token is computed
         rec.n_hit = n_hit_blocks * bs
         rec.n_miss = prompt_len - rec.n_hit
         rec.hit_bytes, rec.miss_bytes = rec.n_hit * kvb, rec.n_miss * kvb
@@ -739,8 +784,11 @@ class ClusterSim:
             rec.writeback_bytes = n_wb * fbb
         for h, n in held.values():
             yield h.buffer.put(n)
-        self.stored[rec.trajectory] = n_hit_blocks + n_wb if plan.moves_kv else \
-            (prompt_len + gen_len - 1) // bs  # oracle: as if written back, with no I/O
+        if keys is None:
+            self.stored[rec.trajectory] = n_hit_blocks + n_wb if plan.moves_kv else \
+                (prompt_len + gen_len - 1) // bs  # oracle: as if written back, with no I/O
+        else:  # the write-back persists from the first new block on; the oracle, as if it all were
+            self.stored_keys.update(keys[:n_hit_blocks + n_wb] if plan.moves_kv else keys)
         rec.t_done = env.now
 
     def _load_cmd(self, host: _Host, nbytes: int, done: simpy.Event):
@@ -881,8 +929,9 @@ class ClusterSim:
         # heard of yet gets nothing from phase 1, and a burst would all land on the first one.
         env.run(until=simpy.AllOf(env, list(self._registered.values())))
         self.t0 = env.now
-        agents = [env.process(self._trajectory(tr)) for tr in self.trajectories]
-        n_turns = sum(len(t.turns) for t in self.trajectories)
+        agents = [env.process(self._trace_agent(tr) if tr.trace_turns is not None else self._trajectory(tr))
+                  for tr in self.trajectories]
+        n_turns = sum(t.n_requests for t in self.trajectories)
         env.run(until=simpy.AllOf(env, agents))  # leaders and read workers loop for ever
         if len(self.records) != n_turns:
             raise RuntimeError(f"simulation of {self.mode} stopped with {len(self.records)} of {n_turns} "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 IDS = ("table1", "table2", "table3", "fig7", "fig8", "fig9", "fig10", "fig11", "fig12", "fig13", "fig14", "fig15", "bounds",
-       "isolation")
+       "isolation", "mooncake-trace")
 DEFAULT_OUT = Path("results/reproduce")
 
 
@@ -33,7 +33,7 @@ class UnknownId(ValueError):
 def module(fig_id: str):
     if fig_id not in IDS:
         raise UnknownId(f"unknown id {fig_id!r}; choose one of {', '.join(IDS)} (dualpath reproduce --list)")
-    return importlib.import_module(f"testbed.reproduce.{fig_id}")
+    return importlib.import_module(f"testbed.reproduce.{fig_id.replace('-', '_')}")
 
 
 def match_runs(plan, runs) -> tuple[dict, list]:

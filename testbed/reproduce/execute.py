@@ -31,9 +31,9 @@ def build_workload(cfg: RunConfig, dilation: float):
 
     if cfg.trace is not None:  # the trace's own arrivals (emulated s) on the testbed's clock
         from dualpath.workload.trace import load_trace
-        from testbed.reproduce.plan import RUN_BLOCK_TOKENS
+        from testbed.reproduce.plan import RUN_BLOCK_TOKENS, in_repo
 
-        return load_trace(cfg.trace, RUN_BLOCK_TOKENS).workload(RUN_BLOCK_TOKENS, dilation)
+        return load_trace(in_repo(cfg.trace), RUN_BLOCK_TOKENS).workload(RUN_BLOCK_TOKENS, dilation)
     wl = generate(cfg.workload.config())
     if cfg.online:
         arr = poisson_arrivals(len(wl.trajectories), cfg.online.aps, seed=cfg.online.seed)

@@ -196,6 +196,13 @@ def _dur(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
+def in_repo(spec: TraceSpec) -> TraceSpec:
+    """A config's trace with a relative path read from this checkout (configs name the repository's
+    own traces relatively, so that their digests do not depend on where it was cloned)."""
+    p = Path(spec.path)
+    return spec if p.is_absolute() else replace(spec, path=str(TOPOLOGIES.parent / p))
+
+
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -205,7 +212,7 @@ def _workload_numbers(spec: WorkloadSpec | TraceSpec) -> dict[str, Any]:
     if isinstance(spec, TraceSpec):
         from dualpath.workload.trace import load_trace
 
-        tw = load_trace(spec, RUN_BLOCK_TOKENS)
+        tw = load_trace(in_repo(spec), RUN_BLOCK_TOKENS)
         wl, span = tw.workload(RUN_BLOCK_TOKENS), tw.span_s()
     else:
         wl = generate(spec.config())
