@@ -10,11 +10,13 @@ A run folder holds
   steps.jsonl    every decode step: mode, de, t_start, t_end, n, timing fields
   links.jsonl    monitor samples 0.25 s apart: mode, t, cpu_busy, nics {"dpt-p0/snic": [rx, tx]}
   plan.json      (written by testbed.reproduce.execute) which reproduction config made it
+A committed run keeps its jsonl files gzip-compressed (NAME.jsonl.gz); they read the same.
 Times in the jsonl files are testbed seconds; `Run.emulated()` divides by the dilation. Every
 analysis reads runs through this module only. Files that are absent read as empty lists.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +28,13 @@ class RunError(ValueError):
 
 
 def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
+    """The records of a .jsonl file, or of its gzip-compressed copy (`NAME.jsonl.gz`: how the
+    repository keeps the runs its reports use)."""
+    gz = path.with_name(path.name + ".gz")
+    if not path.exists() and not gz.exists():
         return []
     out = []
-    with open(path) as f:
+    with (open(path) if path.exists() else gzip.open(gz, "rt")) as f:
         for i, line in enumerate(f, 1):
             line = line.strip()
             if not line:
