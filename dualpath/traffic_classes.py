@@ -34,6 +34,12 @@ CLASSES = (MODEL, KV)
 # Listening ports of kv-class transport agents; nftables marks them AF11.
 KV_PORT_RANGE = (42000, 42999)
 
+# A user's program in a class (`dualpath exec NODE --class C`): it runs with this group as its
+# real and effective gid, and nftables in every node namespace marks each packet its sockets send
+# with the class's DSCP (`meta skgid`), whatever its ports and whatever it is (iperf3, UCX, its own
+# sockets). Numbers no Debian system group uses.
+CLASS_GIDS = {"model": 42046, "kv": 42010}
+
 
 def by_name(name: str) -> TrafficClass:
     for tc in CLASSES:

@@ -4,6 +4,10 @@ NIXL/UCX on TCP cannot mark packets, so kv-class agents listen in the kv port ra
 marks that range AF11 in each namespace. Matching both source and destination port covers READ
 responses, which leave from the target's listening port.
 
+A user's program run in a class (`dualpath exec NODE --class kv|model`) has that class's group
+(dualpath.traffic_classes.CLASS_GIDS): rules per class mark whatever its connections send, by
+group (conntrack's mark carries it to the packets the kernel sends after the program closed).
+
 Port-based marking is only right between namespaces that reserve the kv range from ephemeral
 ports (the fabric's node namespaces do). The root namespace does not: the conductor's scheduler
 service listens on an OS-chosen port and its RPC clients connect from ephemeral ones, so now and
@@ -26,7 +30,7 @@ import json
 from typing import Sequence
 
 from dualpath.naming import PREFIX
-from dualpath.traffic_classes import KV, KV_PORT_RANGE, MODEL
+from dualpath.traffic_classes import CLASS_GIDS, KV, KV_PORT_RANGE, MODEL, by_name
 
 TABLE = f"{PREFIX}_qos"
 COUNTERS = {MODEL.name: "model_tx", KV.name: "kv_tx"}  # traffic class -> named counter, sent
@@ -48,7 +52,12 @@ def nft_script(port_range: tuple[int, int] = KV_PORT_RANGE, unreserved: Sequence
         f"    type filter hook output priority mangle; policy accept;\n"
         f"    {skip}tcp dport {lo}-{hi} ip dscp set {dscp}\n"
         f"    {skip}tcp sport {lo}-{hi} ip dscp set {dscp}\n"
-        f"  }}\n"
+        # a program run in a class (dualpath exec --class): its group decides, after the ports. The
+        # group marks the connection (conntrack), and the connection every packet: bytes a socket
+        # still sends after its program closed it have no owner whose group could be read.
+        + "".join(f"    meta skgid {gid} ct mark set {gid}\n" for gid in CLASS_GIDS.values())
+        + "".join(f"    ct mark {gid} ip dscp set {by_name(c).dscp}\n" for c, gid in CLASS_GIDS.items())
+        + f"  }}\n"
         f"  chain count_out {{\n"
         f"    type filter hook postrouting priority 0; policy accept;\n"
         f"    ip dscp {MODEL.dscp} counter name \"{COUNTERS[MODEL.name]}\"\n"

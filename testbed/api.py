@@ -394,11 +394,13 @@ class Testbed:
             self._store = None
 
     # -- running things in a namespace --------------------------------------------------------------
-    def env(self, node: str, ucx: bool = False, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    def env(self, node: str, ucx: bool = False, base: Mapping[str, str] | None = None,
+            traffic_class: str | None = None) -> dict[str, str]:
         """The environment of a command in `node`: DUALPATH_NODE/IFACE/IP, and with `ucx` the UCX
         settings a NIXL/UCX program needs so that its bytes cross this node's NIC in the kv class
-        (UCX_TLS=tcp, UCX_NET_DEVICES, UCX_MODULES, UCX_TCP_PORT_RANGE; see notes/platform-facts)."""
-        return node_env(self.state, node, ucx, base)
+        (UCX_TLS=tcp, UCX_NET_DEVICES, UCX_MODULES, UCX_TCP_PORT_RANGE; see notes/platform-facts);
+        with `traffic_class` the same for that class's port range (and DUALPATH_CLASS)."""
+        return node_env(self.state, node, ucx, base, traffic_class)
 
     def ucx_env(self, node: str, traffic_class: str = "kv", base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Only the UCX_* settings of `env(ucx=True)`, for a program that builds its own environment."""
@@ -406,13 +408,16 @@ class Testbed:
 
     def exec(self, node: str, argv: Sequence[str] | str, *, timeout: float = 60, check: bool = False,
              input: str | None = None, env: Mapping[str, str] | None = None, ucx: bool = False,
-             cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+             cwd: str | os.PathLike[str] | None = None,
+             traffic_class: str | None = None) -> subprocess.CompletedProcess[str]:
         """Run a command to completion in `node`'s namespace; its output captured as text.
-        A string is run by /bin/sh. `check`: raise TestbedError on a non-zero exit."""
-        full = node_argv(self.state, node, argv)
+        A string is run by /bin/sh. `check`: raise TestbedError on a non-zero exit.
+        `traffic_class` ("kv" or "model"): every packet it sends is marked in that class
+        (`class_argv`), and its UCX settings are that class's."""
+        full = class_argv(node_argv(self.state, node, argv), traffic_class)
         try:
             p = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout,
-                               env=self.env(node, ucx, env), cwd=cwd)
+                               env=self.env(node, ucx, env, traffic_class), cwd=cwd)
         except subprocess.TimeoutExpired:
             raise TestbedError(f"{node}: {_show(argv)} timed out after {timeout:g}s") from None
         if check and p.returncode != 0:
@@ -421,10 +426,12 @@ class Testbed:
         return p
 
     def popen(self, node: str, argv: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
-              ucx: bool = False, **kw: Any) -> subprocess.Popen:
+              ucx: bool = False, traffic_class: str | None = None, **kw: Any) -> subprocess.Popen:
         """Start a command in `node`'s namespace and return at once (subprocess.Popen keywords
-        apply). It lives in the namespace, so teardown ends it if it is still running."""
-        return subprocess.Popen(node_argv(self.state, node, argv), env=self.env(node, ucx, env), **kw)
+        apply). It lives in the namespace, so teardown ends it if it is still running.
+        `traffic_class`: as for `exec`."""
+        return subprocess.Popen(class_argv(node_argv(self.state, node, argv), traffic_class),
+                                env=self.env(node, ucx, env, traffic_class), **kw)
 
     # -- counters -------------------------------------------------------------------------------
     def counters(self):
@@ -464,14 +471,35 @@ def node_argv(state: Mapping[str, Any], node: str, argv: Sequence[str] | str) ->
 
 
 def node_env(state: Mapping[str, Any], node: str, ucx: bool = False,
-             base: Mapping[str, str] | None = None) -> dict[str, str]:
+             base: Mapping[str, str] | None = None, traffic_class: str | None = None) -> dict[str, str]:
+    """The environment of a command in `node` (Testbed.env)."""
     ep = find_endpoint(state, node)
     nic = ep["nics"][0]
     env = dict(os.environ if base is None else base)
     env.update({"DUALPATH_NODE": ep["name"], "DUALPATH_IFACE": nic["dev"], "DUALPATH_IP": nic["ip"]})
-    if ucx:
-        env.update(_ucx_env(nic["dev"], "kv", env))
+    if traffic_class is not None:
+        _class_gid(traffic_class)  # a known class, or one line
+        env["DUALPATH_CLASS"] = traffic_class
+    if ucx or traffic_class is not None:
+        env.update(_ucx_env(nic["dev"], traffic_class or "kv", env))
     return env
+
+
+def class_argv(argv: Sequence[str], traffic_class: str | None) -> list[str]:
+    """`argv` run with the class's group as its real and effective gid (util-linux setpriv), so
+    that nftables marks every packet its sockets send in that class (emulators/dscp_marking.py);
+    `argv` itself without a class."""
+    if traffic_class is None:
+        return list(argv)
+    return ["setpriv", f"--regid={_class_gid(traffic_class)}", "--clear-groups", "--", *argv]
+
+
+def _class_gid(traffic_class: str) -> int:
+    from dualpath.traffic_classes import CLASS_GIDS
+
+    if traffic_class not in CLASS_GIDS:
+        raise TestbedError(f"no traffic class {traffic_class!r}; choose {' or '.join(CLASS_GIDS)}")
+    return CLASS_GIDS[traffic_class]
 
 
 def _ucx_env(iface: str, traffic_class: str, base: Mapping[str, str] | None) -> dict[str, str]:

@@ -181,20 +181,29 @@ def exec_cmd(node: str = typer.Argument(..., help="a namespace of the testbed: p
              command: list[str] = typer.Argument(None, help="the command and its arguments (after --)"),
              ucx: bool = typer.Option(False, "--ucx", help="set UCX_TLS, UCX_NET_DEVICES, UCX_MODULES and "
                                       "UCX_TCP_PORT_RANGE so a NIXL/UCX program's bytes cross the node's NIC "
-                                      "in the kv class")) -> None:
+                                      "in the kv class"),
+             traffic_class: Optional[str] = typer.Option(None, "--class", help="kv or model: every packet the "
+                                                         "command sends is marked in that class (it runs with the "
+                                                         "class's group), and its UCX settings are that class's"),
+             python: bool = typer.Option(False, "--python", help="run the command with the testbed's own Python "
+                                         "(its venv: NIXL, torch): dualpath exec NODE --python -- script.py")) -> None:
     """Run a command in a node's namespace of the testbed that is up: dualpath exec NODE -- CMD."""
     _need_root()
     from testbed.api import TestbedError
-    from testbed.detach import exec_argv, split_exec_args
+    from testbed.detach import ExecOptions, exec_argv, split_exec_args
 
     try:
-        cmd, ucx_after = split_exec_args(list(command or []))
+        cmd, after = split_exec_args(list(command or []))
         if not cmd:
             _fail("exec: no command; usage: dualpath exec NODE -- CMD [ARGS...]")
+        if traffic_class is not None and traffic_class not in ("kv", "model"):
+            _fail(f"exec: --class {traffic_class[:40]!r}: choose kv or model")
     except TestbedError as e:
         _fail(str(e))  # a usage error
+    opts = ExecOptions(ucx=ucx or after.ucx, traffic_class=traffic_class or after.traffic_class,
+                       python=python or after.python)
     try:
-        argv, env = exec_argv(node, cmd, ucx or ucx_after)
+        argv, env = exec_argv(node, cmd, opts)
     except TestbedError as e:
         _fail(str(e), code=1)
     sys.stdout.flush()

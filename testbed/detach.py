@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from testbed import rundir
@@ -195,30 +196,52 @@ def down(force: bool = False, progress: Callable[[str], None] = print, timeout_s
     return f"{st.get('topology', {}).get('name', '?')} down in {time.monotonic() - t0:.2f}s ({how})"
 
 
-def split_exec_args(args: list[str]) -> tuple[list[str], bool]:
-    """(command, ucx) from what follows NODE on `dualpath exec NODE [--ucx] -- CMD ...`.
+@dataclass(frozen=True)
+class ExecOptions:
+    """What `dualpath exec NODE [options] -- CMD` asks besides the command."""
+
+    ucx: bool = False  # the kv class's UCX settings (as --class kv, without the group)
+    traffic_class: str | None = None  # --class kv|model: every packet marked in it, its UCX settings
+    python: bool = False  # --python: CMD is run by the testbed's own interpreter
+
+
+def split_exec_args(args: list[str]) -> tuple[list[str], ExecOptions]:
+    """(command, options) from what follows NODE on `dualpath exec NODE [--ucx] [--class C]
+    [--python] -- CMD ...`.
 
     The command line parser stops at NODE (so that a command's own options stay its own) and
     hands over the rest verbatim, "--" included: options of ours may still sit between NODE and
     "--"; everything after the first "--" is the command, a later "--" included."""
     from testbed.api import TestbedError
 
-    ucx = False
+    opts: dict[str, Any] = {}
     i = 0
     while i < len(args) and args[i] != "--" and args[i].startswith("-"):
-        if args[i] != "--ucx":
-            raise TestbedError(f"exec: no option {args[i]!r} (options: --ucx); put the command after --: "
-                               f"dualpath exec NODE -- CMD [ARGS...]")
-        ucx = True
+        a = args[i]
+        if a == "--ucx":
+            opts["ucx"] = True
+        elif a == "--python":
+            opts["python"] = True
+        elif a == "--class" or a.startswith("--class="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            i += 0 if "=" in a else 1
+            if value not in ("kv", "model"):
+                raise TestbedError(f"exec: --class {value[:40]!r}: choose kv or model")
+            opts["traffic_class"] = value
+        else:
+            raise TestbedError(f"exec: no option {a!r} (options: --ucx, --class kv|model, --python); put the "
+                               f"command after --: dualpath exec NODE -- CMD [ARGS...]")
         i += 1
     if args[i:i + 1] == ["--"]:
         i += 1
-    return args[i:], ucx
+    return args[i:], ExecOptions(**opts)
 
 
-def exec_argv(node: str, argv: list[str], ucx: bool = False) -> tuple[list[str], dict[str, str]]:
+def exec_argv(node: str, argv: list[str], opts: ExecOptions = ExecOptions()) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run `argv` in a live testbed's node namespace."""
-    from testbed.api import TestbedError, node_argv, node_env
+    import sys
+
+    from testbed.api import TestbedError, class_argv, node_argv, node_env
 
     if not argv:
         raise TestbedError("exec: no command; usage: dualpath exec NODE -- CMD [ARGS...]")
@@ -227,7 +250,9 @@ def exec_argv(node: str, argv: list[str], ucx: bool = False) -> tuple[list[str],
         raise TestbedError({"down": "no testbed is up; start one with `dualpath up TOPOLOGY --detach`",
                             "starting": "the testbed is still starting; try again once `dualpath up` has returned",
                             "dead": rundir.describe_busy(st) if st else ""}[what])
-    return node_argv(st, node, argv), node_env(st, node, ucx)
+    cmd = [sys.executable, *argv] if opts.python else argv
+    return (class_argv(node_argv(st, node, cmd), opts.traffic_class),
+            node_env(st, node, opts.ucx, traffic_class=opts.traffic_class))
 
 
 def lines(st: dict[str, Any], what: str) -> list[str]:

@@ -21,7 +21,10 @@ the ini keys `dualpath_topology` / `dualpath_services`, else 1p1d without servic
 `--dualpath-attach` uses the testbed that is already up (`dualpath up --detach` in an earlier
 CI step) and leaves it up.
 
-Not root: every test that uses the fixture is skipped, saying why; nothing errors.
+Not root: every test that uses the fixture is skipped, saying why; nothing errors. A pipeline
+that must run them (and would otherwise pass green with nothing run, had it lost root) says
+`--dualpath-require-root` (or DUALPATH_REQUIRE_ROOT=1, or the ini key `dualpath_require_root`):
+then each such test fails, saying why.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from typing import Any
 import pytest
 
 MARKER = "dualpath_topology"
+REQUIRE_ROOT_ENV = "DUALPATH_REQUIRE_ROOT"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,10 +49,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="tear the testbed down after each module (default) or at the end of the session")
     g.addoption("--dualpath-attach", action="store_true", default=False,
                 help="use the testbed that is already up (`dualpath up --detach`); never tear it down")
+    g.addoption("--dualpath-require-root", action="store_true", default=False,
+                help=f"fail, not skip, the tests that use the testbed when not root (also {REQUIRE_ROOT_ENV}=1)")
     parser.addini("dualpath_topology", "default topology of the dualpath_testbed fixture", default="1p1d")
     parser.addini("dualpath_services", "start services in the dualpath_testbed fixture", type="bool",
                   default=False)
     parser.addini("dualpath_scope", "module or session", default="module")
+    parser.addini("dualpath_require_root", "fail, not skip, the testbed's tests when not root", type="bool",
+                  default=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _scope(fixture_name: str, config: pytest.Config) -> str:
     return config.getoption("dualpath_scope") or config.getini("dualpath_scope") or "module"
+
+
+def _require_root(config: pytest.Config) -> bool:
+    env = os.environ.get(REQUIRE_ROOT_ENV, "").strip().lower()
+    return (bool(config.getoption("dualpath_require_root")) or env in ("1", "true", "yes")
+            or bool(config.getini("dualpath_require_root")))
 
 
 def _want(request: pytest.FixtureRequest) -> tuple[str, bool]:
@@ -85,7 +99,11 @@ def dualpath_testbed(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A testbed.Testbed that is up (see the module's docstring for which, and for how long).
     Skipped, not failed, when not root; a bring-up that fails fails its tests with one line."""
     if os.geteuid() != 0:
-        pytest.skip("dualpath_testbed needs root (network namespaces, tc qdiscs); run pytest with sudo")
+        why = "dualpath_testbed needs root (network namespaces, tc qdiscs); run pytest with sudo"
+        if _require_root(request.config):
+            pytest.fail(f"{why} (root is required here: --dualpath-require-root or {REQUIRE_ROOT_ENV})",
+                        pytrace=False)
+        pytest.skip(why)
     from testbed.api import Testbed, TestbedError
 
     if request.config.getoption("dualpath_attach"):

@@ -89,22 +89,33 @@ def test_status_and_exec_without_a_testbed(run_dir):
         detach.exec_argv("p0e0", [])
 
 
+X = detach.ExecOptions
+
+
 @pytest.mark.parametrize("args, want", [
-    (["--", "sh", "-c", "echo --x"], (["sh", "-c", "echo --x"], False)),
-    (["ls", "-la"], (["ls", "-la"], False)),  # no "--": the command as given
-    (["--ucx", "--", "ls"], (["ls"], True)),  # our option between NODE and "--"
-    (["--ucx", "ls", "--", "x"], (["ls", "--", "x"], True)),
-    (["--", "--ucx"], (["--ucx"], False)),  # after "--" everything is the command's
-    (["--", "a", "--", "b"], (["a", "--", "b"], False)),
-    (["--"], ([], False)),
-    ([], ([], False)),
+    (["--", "sh", "-c", "echo --x"], (["sh", "-c", "echo --x"], X())),
+    (["ls", "-la"], (["ls", "-la"], X())),  # no "--": the command as given
+    (["--ucx", "--", "ls"], (["ls"], X(ucx=True))),  # our option between NODE and "--"
+    (["--ucx", "ls", "--", "x"], (["ls", "--", "x"], X(ucx=True))),
+    (["--", "--ucx"], (["--ucx"], X())),  # after "--" everything is the command's
+    (["--", "a", "--", "b"], (["a", "--", "b"], X())),
+    (["--"], ([], X())),
+    ([], ([], X())),
+    (["--class", "model", "--python", "--", "t.py"], (["t.py"], X(traffic_class="model", python=True))),
+    (["--class=kv", "--", "iperf3"], (["iperf3"], X(traffic_class="kv"))),
 ])
 def test_exec_args_after_the_node(args, want):
     assert detach.split_exec_args(args) == want
 
 
+@pytest.mark.parametrize("args", [["--class", "gold", "--", "ls"], ["--class"], ["--class=", "ls"]])
+def test_an_unknown_class_is_one_line(args):
+    with pytest.raises(TestbedError, match=r"^exec: --class '.*': choose kv or model$"):
+        detach.split_exec_args(args)
+
+
 def test_an_unknown_option_before_the_command_is_one_line():
-    with pytest.raises(TestbedError, match=r"^exec: no option '--ucxx' \(options: --ucx\); put the command after --"):
+    with pytest.raises(TestbedError, match=r"^exec: no option '--ucxx' \(options: --ucx, --class kv\|model, --python\); put the command after --"):
         detach.split_exec_args(["--ucxx", "--", "ls"])
 
 

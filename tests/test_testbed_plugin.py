@@ -57,6 +57,23 @@ def test_not_root_skips_with_a_reason(pytester):
     assert asked == "[]"
 
 
+@pytest.mark.parametrize("how", ["option", "env", "ini"])
+def test_required_root_fails_instead_of_skipping(pytester, monkeypatch, how):
+    """A pipeline that lost root must not pass green with nothing run."""
+    pytester.makepyfile(test_a="def test_x(dualpath_testbed):\n    pass\n")
+    args = ["--as-user"]
+    if how == "option":
+        args.append("--dualpath-require-root")
+    elif how == "env":
+        monkeypatch.setenv("DUALPATH_REQUIRE_ROOT", "1")
+    else:
+        pytester.makeini("[pytest]\ndualpath_require_root = true\n")
+    res, asked = _run(pytester, *args)
+    res.assert_outcomes(errors=1)  # the fixture fails: the test errors, it is not skipped
+    res.stdout.fnmatch_lines(["*dualpath_testbed needs root*root is required here*"])
+    assert asked == "[]"
+
+
 def test_module_marker_option_and_scopes(pytester):
     pytester.makepyfile(
         test_a="import pytest\npytestmark = pytest.mark.dualpath_topology('2p1d', services=True)\n"
