@@ -260,3 +260,16 @@ def test_sim_refuses_conflicting_workload_options_in_one_line(tmp_path):
 
     r = dualpath("sim", "topologies/1p1d-io.yaml", "--trace", "x.jsonl", "--workload", "64K", timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "dualpath: --trace and --workload name two workloads; fix: give one of them"
+
+
+def test_online_warm_up_persists_only_what_simultaneous_first_turns_share(tmp_path):
+    """First turns sharing a system prompt that arrive together could not hit it (nothing written
+    back yet): the warm-up persists it; spaced apart, the trace's own order does, and nothing is
+    warmed."""
+    rows, _ = known_trace(stagger_s=0.0)
+    together = load_trace(TraceSpec(str(write(tmp_path / "a.jsonl", rows)), length_scale=16), 32)
+    assert [len(p) for p in together.workload(32).warm_prompts] == [64]
+    assert together.stats()["warm"] == {"prefixes": 1, "trace_tokens": 1024}
+    rows, _ = known_trace(stagger_s=1.5)
+    apart = load_trace(TraceSpec(str(write(tmp_path / "b.jsonl", rows)), length_scale=16), 32)
+    assert apart.stats()["warm"]["prefixes"] == 0 and apart.warm_keys(32) == []

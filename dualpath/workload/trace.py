@@ -26,14 +26,14 @@ trace's own tokens). A run's hit rate can differ from it where a request starts 
 earlier one sharing its prefix has written it back (concurrent requests), and by at most one
 Full Block where a prompt is entirely stored (every prefill computes at least one token).
 
-The warm-up. Offline, every agent's first turn starts in the same instant, so none of them could
-find a prefix the others share in the store (none has been written back yet): as a generated
-workload's mode persists its shared system prompt before its first request, an offline replay
-persists the prefixes that two or more agents' first turns share (at most MAX_WARM of them, the
-most shared first), and so the first agent of each such prefix hits it too, one prefix more than
-the trace count. Online, the trace's own clock separates them, and the warm-up persists one
-Full Block that no trace prompt shares (it still exercises every path once, its bytes accounted
-like any request's), so the run's hits are the trace's own.
+The warm-up. Agents whose first turns share a prefix and start together (offline, all of them;
+online, within CONCURRENT_S emulated seconds of one another) could not find it in the store: none
+has written it back yet. As a generated workload's mode persists its shared system prompt before
+its first request, a replay persists those prefixes first (at most MAX_WARM, the most shared
+first), and so the first agent of each hits it too, one prefix more than the trace count. First
+turns further apart find what the earlier one wrote back, as the count says. Where nothing is
+warmed, the warm-up is one Full Block no trace prompt shares (it still exercises every path once,
+its bytes accounted like any request's). The summary's `trace.warm` says what was warmed.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from .mooncake import MOONCAKE_BLOCK, TraceError, TraceRequest, load_mooncake
 from .trajectories import DEFAULT_VOCAB, RESERVED_TOKENS, Trajectory, Turn, Workload, WorkloadConfig
 
 MAX_WARM = 16  # warm-up prompts per mode at most
+CONCURRENT_S = 0.1  # emulated s: first turns sharing a prefix this close together overlap (the warm-up)
 _TAG_WARM = 0x5741  # "WA": the tokens of a warm-up block no trace prompt shares
 
 
@@ -218,12 +219,14 @@ class TraceWorkload:
         """The summary's `trace` object, less the run's own hit rate."""
         span = self.span_s()
         toks = sum(r.input_length + r.output_length for r in self.requests)
+        warm = self.shared_prefixes()
         return {"file": self.spec.path, "requests": len(self.requests), "sessions": len(self.sessions),
                 "chained_turns": len(self.requests) - len(self.sessions),
                 "turns_max": max((len(s) for s in self.sessions), default=0),
                 "trace_block_hit_rate": self.hits["rate"], "trace_hits": self.hits,
                 "length_scale": self.spec.length_scale, "block_tokens": self.spec.block_tokens(),
                 "offline": self.spec.offline, "time_scale": self.spec.time_scale,
+                "warm": {"prefixes": len(warm), "trace_tokens": sum(n * MOONCAKE_BLOCK for _, n in warm)},
                 "span_emulated_s": round(span, 3),
                 "offered": {"agents_per_s": round(len(self.sessions) / span, 4) if span else None,
                             "tokens_per_s": round(toks / span, 1) if span else None,
@@ -283,26 +286,34 @@ class TraceWorkload:
 
     def shared_prefixes(self) -> list[tuple[TraceRequest, int]]:
         """(a first turn, its leading full trace blocks) for each prefix that two or more
-        sessions' first turns share, the longest each one shares; the most shared first, at
+        sessions' first turns share and could not find stored: offline every such prefix (they
+        all start at once), online those whose sharers arrive within CONCURRENT_S emulated
+        seconds of one another. The longest each first turn shares; the most shared first, at
         most MAX_WARM."""
-        count: dict[int, int] = {}
         firsts = [self.requests[s[0]] for s in self.sessions]
-        for r in firsts:
+        starts = [0.0 if self.spec.offline else r.arrival_s / self.spec.time_scale for r in firsts]
+        seen: dict[int, list[float]] = {}
+        for r, t in zip(firsts, starts):
             for key in _chain(r.full_ids):
-                count[key] = count.get(key, 0) + 1
+                seen.setdefault(key, []).append(t)
+
+        def concurrent(times: list[float]) -> bool:
+            ts = sorted(times)
+            return any(b - a <= CONCURRENT_S for a, b in zip(ts, ts[1:]))
+
         shared: dict[int, tuple[int, TraceRequest, int]] = {}  # key -> (sessions, a request, blocks)
         for r in firsts:
             keys = _chain(r.full_ids)
-            n = max((j + 1 for j, k in enumerate(keys) if count[k] >= 2), default=0)
+            n = max((j + 1 for j, k in enumerate(keys) if concurrent(seen[k])), default=0)
             if n:
-                shared.setdefault(keys[n - 1], (count[keys[n - 1]], r, n))
+                shared.setdefault(keys[n - 1], (len(seen[keys[n - 1]]), r, n))
         best = sorted(shared.values(), key=lambda x: (-x[0], x[1].index))[:MAX_WARM]
         return [(r, n) for _, r, n in best]
 
     def warm_prompts(self, block_size: int) -> tuple[tuple[int, ...], ...]:
-        """Offline, the prefixes that two or more sessions' first turns share (the module
-        docstring); online, or where none is shared, one Full Block no trace prompt shares."""
-        out = tuple(r.tokens()[:n * r.block_tokens] for r, n in self.shared_prefixes()) if self.spec.offline else ()
+        """The shared prefixes (`shared_prefixes`); where there is none, one Full Block no trace
+        prompt shares."""
+        out = tuple(r.tokens()[:n * r.block_tokens] for r, n in self.shared_prefixes())
         if out:
             return out
         vocab = self.requests[0].vocab_size if self.requests else DEFAULT_VOCAB
@@ -310,9 +321,7 @@ class TraceWorkload:
         return (tuple(rng.integers(RESERVED_TOKENS, vocab, size=block_size).tolist()),)
 
     def warm_keys(self, block_size: int) -> list[tuple[int, ...]]:
-        """`block_keys` of what the warm-up persists that a trace prompt can hit (offline only)."""
-        if not self.spec.offline:
-            return []
+        """`block_keys` of what the warm-up persists that a trace prompt can hit."""
         return [block_keys(r, block_size)[:n * r.block_tokens // block_size] for r, n in self.shared_prefixes()]
 
 
