@@ -120,14 +120,14 @@ def render(views: dict[str, dict[str, Any]], out: Path) -> list[str]:
         return []
     groups = list(views)
     labels = [v.replace(" (", "\n(").replace("simulated, ", "simulated,\n") for v in groups]  # ticks that fit
-    fig, ax = plots.new_figure("mooncake-trace: TTFT p50 per mode and view", "view", "TTFT p50 (emulated s)")
+    fig, ax = plots.new_figure("mooncake-trace: TTFT p50 per mode and view", "", "TTFT p50 (emulated s)")
     plots.grouped_bars(ax, labels, {m: [views[v].get(m, {}).get("ttft_p50_s") for v in groups] for m in MODES},
                        value_fmt="{:.3g}")
     plots.legend_below(ax, ncol=2)
     plots.caption(fig, f"testbed: 1p1d-io, lengths / {LENGTH_SCALE}, offline; simulated at the trace's scale: lengths and clock as "
                        "the trace gives them, on the paper's 2P4D (simulated, not a testbed result)")
     plots.save(fig, out / "mooncake_trace_ttft.png")
-    fig, ax = plots.new_figure("mooncake-trace: mean agent JCT per mode and view", "view", "mean agent JCT (emulated s)")
+    fig, ax = plots.new_figure("mooncake-trace: mean agent JCT per mode and view", "", "mean agent JCT (emulated s)")
     plots.grouped_bars(ax, labels, {m: [views[v].get(m, {}).get("agent_jct_mean_s") for v in groups] for m in MODES},
                        value_fmt="{:.3g}")
     plots.legend_below(ax, ncol=2)
