@@ -25,6 +25,8 @@ declare -A NEED=(
     # hosts: docker (testbed/containers.py): the testbed starts its own daemon; the node image
     # is built from Debian packages by debootstrap (scripts/docker/build-image.sh)
     [dockerd]=docker.io [debootstrap]=debootstrap
+    # `dualpath bench ucx-perftest` (UCX's own benchmark across the fabric); `exec --class` (setpriv)
+    [ucx_perftest]=ucx-utils [setpriv]=util-linux
 )
 missing=()
 for cmd in "${!NEED[@]}"; do

@@ -415,6 +415,8 @@ class Testbed:
         `traffic_class` ("kv" or "model"): every packet it sends is marked in that class
         (`class_argv`), and its UCX settings are that class's."""
         full = class_argv(node_argv(self.state, node, argv), traffic_class)
+        if traffic_class is not None:
+            enable_class_marking(find_endpoint(self.state, node)["name"])
         try:
             p = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout,
                                env=self.env(node, ucx, env, traffic_class), cwd=cwd)
@@ -430,6 +432,8 @@ class Testbed:
         """Start a command in `node`'s namespace and return at once (subprocess.Popen keywords
         apply). It lives in the namespace, so teardown ends it if it is still running.
         `traffic_class`: as for `exec`."""
+        if traffic_class is not None:
+            enable_class_marking(find_endpoint(self.state, node)["name"])
         return subprocess.Popen(class_argv(node_argv(self.state, node, argv), traffic_class),
                                 env=self.env(node, ucx, env, traffic_class), **kw)
 
@@ -485,10 +489,25 @@ def node_env(state: Mapping[str, Any], node: str, ucx: bool = False,
     return env
 
 
+def enable_class_marking(ns: str) -> None:
+    """Add the class rules to namespace `ns`'s marking table once (dscp_marking.class_rules_script):
+    a program in a class (`class_argv`) is marked by them."""
+    from emulators import dscp_marking
+    from testbed.shell import CommandError, run
+
+    try:
+        listing = run(["nft", "list", "chain", "ip", dscp_marking.TABLE, "mark_out"], ns=ns)
+        if not dscp_marking.has_class_rules(listing):
+            run(["nft", "-f", "-"], ns=ns, stdin=dscp_marking.class_rules_script())
+    except CommandError as e:
+        raise TestbedError(f"{ns}: cannot mark a program's class there ({e}); --class applies to the compute "
+                           f"namespaces (engines and host agents), not storage hosts") from None
+
+
 def class_argv(argv: Sequence[str], traffic_class: str | None) -> list[str]:
     """`argv` run with the class's group as its real and effective gid (util-linux setpriv), so
-    that nftables marks every packet its sockets send in that class (emulators/dscp_marking.py);
-    `argv` itself without a class."""
+    that nftables marks every packet its sockets send in that class (emulators/dscp_marking.py,
+    once `enable_class_marking` added the rules to its namespace); `argv` itself without a class."""
     if traffic_class is None:
         return list(argv)
     return ["setpriv", f"--regid={_class_gid(traffic_class)}", "--clear-groups", "--", *argv]

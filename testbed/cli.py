@@ -293,15 +293,23 @@ def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) ->
 
 
 @app.command()
-def bench(what: str = typer.Argument(..., help="transport, store or burst"),
+def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-perftest"),
           topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
           out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes"),
           transport: str = typer.Option("tcp", help="transport: tcp, or rdma (Soft-RoCE: NIXL against perftest "
                                         "on the same rxe link, proven by its hw_counters)")) -> None:
     """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio;
-    burst: how far past its HTB bucket an idle shaped NIC lets a fresh transfer go (for `sim --calibrate --burst`)."""
-    if what not in ("transport", "store", "burst"):
-        _fail(f"bench: unknown target {what!r}; choose transport, store or burst")
+    burst: how far past its HTB bucket an idle shaped NIC lets a fresh transfer go (for `sim --calibrate --burst`);
+    ucx-perftest: UCX's own benchmark (tag, put, get) across two engines vs iperf3, in each traffic class."""
+    if what not in ("transport", "store", "burst", "ucx-perftest"):
+        _fail(f"bench: unknown target {what!r}; choose transport, store, burst or ucx-perftest")
+    if what == "ucx-perftest":
+        from testbed.benches.ucx_perftest import MissingTool, need_tool
+
+        try:
+            need_tool()
+        except MissingTool as e:
+            _fail(str(e))
     _transport_opt(transport)
     if transport == "rdma" and what != "transport":
         _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
@@ -317,6 +325,10 @@ def bench(what: str = typer.Argument(..., help="transport, store or burst"),
             from testbed.benches.burst import bench_burst
 
             res = {"topology": t.name, **bench_burst(fab, t.spec.mtu, typer.echo)}
+        elif what == "ucx-perftest":
+            from testbed.benches.ucx_perftest import bench_ucx_perftest
+
+            res = {"topology": t.name, **bench_ucx_perftest(fab, typer.echo)}
         else:
             res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -330,6 +342,10 @@ def bench(what: str = typer.Argument(..., help="transport, store or burst"),
         from testbed.benches.burst import burst_lines
 
         lines = burst_lines(res)
+    elif what == "ucx-perftest":
+        from testbed.benches.ucx_perftest import lines as perftest_lines
+
+        lines = perftest_lines(res)
     else:
         lines = bench_lines(what, res)
     (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"

@@ -239,9 +239,7 @@ def split_exec_args(args: list[str]) -> tuple[list[str], ExecOptions]:
 
 def exec_argv(node: str, argv: list[str], opts: ExecOptions = ExecOptions()) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run `argv` in a live testbed's node namespace."""
-    import sys
-
-    from testbed.api import TestbedError, class_argv, node_argv, node_env
+    from testbed.api import TestbedError, class_argv, enable_class_marking, find_endpoint, node_argv, node_env
 
     if not argv:
         raise TestbedError("exec: no command; usage: dualpath exec NODE -- CMD [ARGS...]")
@@ -251,6 +249,8 @@ def exec_argv(node: str, argv: list[str], opts: ExecOptions = ExecOptions()) -> 
                             "starting": "the testbed is still starting; try again once `dualpath up` has returned",
                             "dead": rundir.describe_busy(st) if st else ""}[what])
     cmd = [sys.executable, *argv] if opts.python else argv
+    if opts.traffic_class is not None:
+        enable_class_marking(find_endpoint(st, node)["name"])
     return (class_argv(node_argv(st, node, cmd), opts.traffic_class),
             node_env(st, node, opts.ucx, traffic_class=opts.traffic_class))
 

@@ -322,6 +322,21 @@ def _f(v) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
+def trace_of_run(summary: dict[str, Any], block_size: int = RUN_BLOCK_TOKENS) -> TraceWorkload | None:
+    """The trace a testbed run replayed (its summary's `trace.spec`), read again; None for a run
+    of a generated workload. A trace named relative to the repository is read from this checkout."""
+    spec = (summary.get("trace") or {}).get("spec")
+    if not spec:
+        return None
+    from dualpath.workload.trace import TraceSpec, load_trace
+
+    spec = {**spec, "window": tuple(spec["window"]) if spec.get("window") else None}
+    path = Path(spec["path"])
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[1] / path
+    return load_trace(TraceSpec(**{**spec, "path": str(path)}), block_size)
+
+
 def workload_of_run(summary: dict[str, Any]) -> WorkloadConfig:
     """The WorkloadConfig a testbed run's summary.json recorded; a run from before summaries
     carried it ran the demo workload (`dualpath run`'s), sized by its trajectories and seed."""

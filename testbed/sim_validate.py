@@ -54,7 +54,7 @@ from testbed.reproduce.plan import TOPOLOGIES, topology_with
 from testbed.reproduce.runs import Run
 from testbed.metrics import percentiles, token_latencies
 from testbed.paths import REPO
-from testbed.sim import Geometry, sim_config, simulate, summarize, trajectories, workload_of_run
+from testbed.sim import Geometry, sim_config, simulate, summarize, trace_of_run, trajectories, workload_of_run
 from testbed.topology import Topology
 
 STAGES = ("route", "read", "prefill", "handover", "tpot", "writeback")
@@ -258,6 +258,9 @@ def _run_sim(run: Run, cal: Calibration, seed: int = 0, modes: Sequence[str] | N
     topo = topo or run_topology(run)
     cfg = replace(sim_config(topo, run_geometry(run), cal=cal, quota_s=float(run.summary.get("quota_s", 0.3))),
                   seed=seed)
+    tw = trace_of_run(run.summary, cfg.block_size)
+    if tw is not None:  # a replayed trace: its own agents, arrivals and warm-up
+        return simulate(cfg, None, list(modes or run.modes), trace=tw), cfg, topo, tw.config()
     wcfg = workload_of_run(run.summary)
     trajs = trajectories(wcfg, cfg.dilation, aps=run.aps, arrival_seed=arrival_seed(run))
     return simulate(cfg, trajs, list(modes or run.modes)), cfg, topo, wcfg

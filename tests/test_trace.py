@@ -273,3 +273,15 @@ def test_online_warm_up_persists_only_what_simultaneous_first_turns_share(tmp_pa
     rows, _ = known_trace(stagger_s=1.5)
     apart = load_trace(TraceSpec(str(write(tmp_path / "b.jsonl", rows)), length_scale=16), 32)
     assert apart.stats()["warm"]["prefixes"] == 0 and apart.warm_keys(32) == []
+
+
+def test_a_trace_runs_summary_names_its_trace_again(tmp_path):
+    """`sim --validate` re-reads a trace run's trace from its summary (testbed.sim.trace_of_run)."""
+    from testbed.sim import trace_of_run
+
+    rows, _ = known_trace()
+    spec = TraceSpec(str(write(tmp_path / "t.jsonl", rows)), length_scale=16, window=(0.0, 9.0), time_scale=2.0)
+    tw = load_trace(spec, 32)
+    again = trace_of_run({"trace": json.loads(json.dumps(tw.stats()))})
+    assert again.spec == spec and again.sessions == tw.sessions and again.stats() == tw.stats()
+    assert trace_of_run({"modes": {}}) is None
