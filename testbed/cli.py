@@ -450,6 +450,8 @@ def _workload_options(workload, trace, length_scale, append_scale, gen_scale, ag
                       offline, time_scale, seed, first_turn_tokens=0, aps=0.0, trajectories=None):
     """The command line's workload options, checked for conflicts now (one line and exit 2):
     the resolved spec (dualpath.workload.spec), or None for the command's own default workload."""
+    from dataclasses import replace
+
     from dualpath.workload.spec import WorkloadOptions, resolve
 
     if trajectories is not None and agents is not None and trajectories != agents:
@@ -459,7 +461,7 @@ def _workload_options(workload, trace, length_scale, append_scale, gen_scale, ag
     if not o.given():
         return None
     if agents is None and trajectories is not None:
-        o = WorkloadOptions(**{**o.__dict__, "agents": trajectories})
+        o = replace(o, agents=trajectories)
     try:
         return resolve(o)
     except ValueError as e:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -219,7 +220,7 @@ class TraceWorkload:
         """The summary's `trace` object, less the run's own hit rate."""
         span = self.span_s()
         toks = sum(r.input_length + r.output_length for r in self.requests)
-        warm = self.shared_prefixes()
+        warm = self.shared_prefixes
         return {"file": self.spec.path, "requests": len(self.requests), "sessions": len(self.sessions),
                 "chained_turns": len(self.requests) - len(self.sessions),
                 "turns_max": max((len(s) for s in self.sessions), default=0),
@@ -250,13 +251,14 @@ class TraceWorkload:
         """Per session: its agent's arrival and each turn's earliest start after it, in emulated
         seconds times `seconds_per_emulated_s` (the dilation, for testbed seconds)."""
         k = seconds_per_emulated_s / self.spec.time_scale
+        t0 = self.t0()
         out = []
         for s in self.sessions:
             if self.spec.offline:
                 out.append((0.0, [None] * len(s)))
                 continue
             first = self.requests[s[0]].arrival_s
-            out.append(((first - self.t0()) * k, [(self.requests[i].arrival_s - first) * k for i in s]))
+            out.append(((first - t0) * k, [(self.requests[i].arrival_s - first) * k for i in s]))
         return out
 
     def workload(self, block_size: int, seconds_per_emulated_s: float = 1.0) -> Workload:
@@ -284,6 +286,7 @@ class TraceWorkload:
             vocab_size=reqs[0].vocab_size if reqs else DEFAULT_VOCAB, seed=self.spec.seed, name="trace",
             scale_factor=float(self.spec.length_scale), notes=(self.spec.describe(),))
 
+    @cached_property
     def shared_prefixes(self) -> list[tuple[TraceRequest, int]]:
         """(a first turn, its leading full trace blocks) for each prefix that two or more
         sessions' first turns share and could not find stored: offline every such prefix (they
@@ -313,7 +316,7 @@ class TraceWorkload:
     def warm_prompts(self, block_size: int) -> tuple[tuple[int, ...], ...]:
         """The shared prefixes (`shared_prefixes`); where there is none, one Full Block no trace
         prompt shares."""
-        out = tuple(r.tokens()[:n * r.block_tokens] for r, n in self.shared_prefixes())
+        out = tuple(r.tokens()[:n * r.block_tokens] for r, n in self.shared_prefixes)
         if out:
             return out
         vocab = self.requests[0].vocab_size if self.requests else DEFAULT_VOCAB
@@ -322,7 +325,7 @@ class TraceWorkload:
 
     def warm_keys(self, block_size: int) -> list[tuple[int, ...]]:
         """`block_keys` of what the warm-up persists that a trace prompt can hit."""
-        return [block_keys(r, block_size)[:n * r.block_tokens // block_size] for r, n in self.shared_prefixes()]
+        return [block_keys(r, block_size)[:n * r.block_tokens // block_size] for r, n in self.shared_prefixes]
 
 
 def load_trace(spec: TraceSpec, run_block: int, vocab_size: int = DEFAULT_VOCAB) -> TraceWorkload:
