@@ -1,6 +1,8 @@
 import os
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,38 @@ pytest_plugins = ["tests.store_helpers", "tests.smollm2_helpers", "testbed.pytes
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "testbed.cli"]
+
+
+
+# Generous on purpose: the bound catches a hang or a blow-up (an alias bomb, quadratic parsing), not
+# a slow machine. CI's 2 cores once took 2.03 s under tracemalloc for a 0.22 s parse, so time is
+# measured on a separate call without tracemalloc, and speed belongs in benchmarks.
+BOUNDED_S = 10.0
+BOUNDED_BYTES = 64 << 20
+
+
+def within_bounds(fn, max_bytes: int = BOUNDED_BYTES):
+    """fn() run twice: once under tracemalloc for its peak, once timed. Returns the timed result."""
+    tracemalloc.start()
+    try:
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    t0 = time.monotonic()
+    out = fn()
+    took = time.monotonic() - t0
+    assert took < BOUNDED_S and peak < max_bytes, (took, peak)
+    return out
+
+
+def raises_bounded(exc: type[BaseException], call, *args, **kw) -> BaseException:
+    """The exception `call` raises, checked to come within BOUNDED_S and BOUNDED_BYTES of peak."""
+    def caught() -> BaseException:
+        with pytest.raises(exc) as e:
+            call(*args, **kw)
+        return e.value
+    return within_bounds(caught)
 
 
 def is_root() -> bool:

@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from dualpath.workload import load_mooncake, prefix_hit_rate
 from dualpath.workload.mooncake import MAX_LINE_BYTES, TraceError
 from dualpath.workload.mooncake import main as mooncake_main
-from tests.conftest import REPO
+from tests.conftest import REPO, raises_bounded
 
 ROW = {"timestamp": 0, "input_length": 700, "output_length": 10, "hash_ids": [0, 1]}
 
@@ -27,20 +25,12 @@ def write(tmp_path: Path, *lines: str | bytes, name: str = "t.jsonl") -> Path:
 
 
 def refused(path: Path, *words: str, **kw) -> TraceError:
-    tracemalloc.start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(TraceError) as e:
-            load_mooncake(path, **kw)
-    finally:
-        took, peak = time.monotonic() - t0, tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    msg = str(e.value)
+    err = raises_bounded(TraceError, load_mooncake, path, **kw)
+    msg = str(err)
     assert msg.startswith(str(path)) and "\n" not in msg and len(msg) < 400, msg
     for w in words:
         assert w in msg, msg
-    assert took < 2.0 and peak < 64 << 20, (took, peak)
-    return e.value
+    return err
 
 
 @pytest.mark.parametrize("line, field, words", [
