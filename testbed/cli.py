@@ -435,7 +435,11 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             length_scale: Optional[float] = LENGTH_SCALE_OPT, append_scale: Optional[float] = APPEND_SCALE_OPT,
             gen_scale: Optional[float] = GEN_SCALE_OPT, agents: Optional[int] = AGENTS_OPT,
             trace_limit: Optional[int] = TRACE_LIMIT_OPT, trace_window: Optional[str] = TRACE_WINDOW_OPT,
-            offline: bool = OFFLINE_OPT, time_scale: Optional[float] = TIME_SCALE_OPT) -> None:
+            offline: bool = OFFLINE_OPT, time_scale: Optional[float] = TIME_SCALE_OPT,
+            connector: Optional[str] = typer.Option(None, help="a team's KV connector, MODULE:CLASS or "
+                                                    "FILE.py:CLASS (a ConnectorPlugin: docs/connectors.md); it "
+                                                    "replaces the layerwise connector and the decode engine's, "
+                                                    "and every check applies; overrides the topology's")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
                               trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
@@ -443,7 +447,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     _transport_opt(transport)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts)
+             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts, connector=connector)
 
 
 def _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit, trace_window,
@@ -749,6 +753,32 @@ def _sim_workload(wopts, own_scale: bool, seed: int, trajectories: int, first_tu
     return tw.config(), tw
 
 
+def _connector(spec: Optional[str], t, topology: Optional[Path], modes: tuple[str, ...]):
+    """--connector (else the topology's `connector:`) loaded and checked here, before anything is
+    brought up: (ConnectorRef, plugin class, the modes that run it), or None. One line and exit 2 if it cannot run."""
+    from dualpath.kv.plugin import ConnectorError, resolve
+    from testbed.modes import connector_of
+
+    base = None
+    if spec is None and t.spec.connector:
+        spec, base = t.spec.connector, (topology or DEFAULT_TOPOLOGY).resolve().parent
+    if spec is None:
+        return None
+    try:
+        ref, plugin = resolve(spec, base)
+    except ConnectorError as e:
+        _fail(f"--connector: {e}")
+    used = [m for m in modes if (plugin.prefill and connector_of(m) == "layerwise")
+            or (plugin.decode and m != "oracle")]
+    if not used:
+        _fail(f"--connector {spec}: none of the modes {','.join(modes)} runs it (its prefill side replaces the "
+              f"layerwise connector, its decode side every mode's but oracle's); fix: add --modes dualpath")
+    typer.echo(f"connector: {spec} (contract v{plugin.contract_version}; prefill "
+               f"{plugin.prefill.__name__ if plugin.prefill else 'built-in'}, decode "
+               f"{plugin.decode.__name__ if plugin.decode else 'built-in'}) in modes {','.join(used)}")
+    return ref, plugin, used
+
+
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
                     model: Optional[str] = None, compute: Optional[str] = None, device: str = "cpu",
                     scale: Optional[float] = None, hosts: Optional[str] = None):
@@ -876,18 +906,19 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
              compute: Optional[str] = None, note=None, max_turns: Optional[int] = None, hosts: Optional[str] = None,
              faults: Optional[list[str]] = None, device: str = "cpu", scale: Optional[float] = None,
-             wopts=None) -> None:
+             wopts=None, connector: Optional[str] = None) -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
     from testbed.experiment import run_to_folder
     from testbed.paths import shown_path
-    from testbed.report import e2e_lines
+    from testbed.report import e2e_lines, failed_checks
 
     t_start = time.monotonic()
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
+    plugin = _connector(connector, t, topology, mode_list)
     if wopts is None:
         wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
     else:
@@ -915,8 +946,12 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
                   "" if wl.trace is not None else ", all at once") + f"; model {shown_path(ckpt)}"
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
+    if plugin is not None:
+        from dualpath.kv.plugin import describe
+
+        extra["connector"] = {**describe(plugin[1], plugin[0].spec), "modes": plugin[2]}
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
-                            faults=tuple(specs), device=device)
+                            faults=tuple(specs), device=device, connector=plugin[0] if plugin else None)
     for line in e2e_lines(summary):
         typer.echo(line)
     if "rdma" in summary:
@@ -925,12 +960,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
                    f"rcvd_pkts +{r['rxe_rcvd_pkts']} for {r['kv_bytes']} KV bytes sent (RDMA MTU {r['rdma_mtu']})")
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
                f"the whole command {time.monotonic() - t_start:.0f} s)")
-    ok = all(m["errors"] == 0 and m["verification"].get("all_match", True) for m in summary["modes"].values())
-    if specs:  # with faults, a request may fail alone; nothing may be wrong or lost
-        ok = all(m["verification"].get("all_match", True) and all(
-            f["wrong_tokens"] == 0 and f["lost_blocks"] == 0 for f in m.get("faults", []))
-            for m in summary["modes"].values())
-    raise typer.Exit(0 if ok else 1)
+    raise typer.Exit(1 if failed_checks(summary) else 0)  # e2e_lines printed them
 
 
 def _faults(t, texts: list[str]) -> list:

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
 
@@ -34,6 +35,9 @@ from emulators.kvstore.launch import ServerProcess
 from testbed.cleanup import TMPFS_SOURCE
 from testbed.fabric import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, Endpoint, Fabric, engine_groups
 from testbed.shell import run
+
+if TYPE_CHECKING:
+    from dualpath.kv.plugin import ConnectorRef
 
 REPO = Path(__file__).resolve().parent.parent
 CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
@@ -117,14 +121,17 @@ class Cluster:
     def __init__(self, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry,
                  buffer_bytes: int, hbm_bytes: int, store_capacity: int = 2 << 30, transport: str = "tcp",
                  tmpfs_stores: dict[str, int] | None = None,
-                 timing: dict | None = None, collectives: dict | None = None, device: str = "cpu"):
+                 timing: dict | None = None, collectives: dict | None = None, device: str = "cpu",
+                 connector: ConnectorRef | None = None):
         """`timing`: the engines' emulated clock ({dilation, prefill, decode}: the target's cost
         models as dicts); None keeps the host's own time. `collectives`: the per-layer AllToAll's
         bytes ({dispatch_per_token, combine_per_token}, RunClock.engine_collectives); every engine
         of a group of two or more runs it with the group's others; None: no collectives.
-        `device`: where the engines compute (cpu, or cuda: dualpath/model/device.py)."""
+        `device`: where the engines compute (cpu, or cuda: dualpath/model/device.py). `connector`:
+        a team's ConnectorPlugin, which every engine loads (dualpath/kv/plugin.py)."""
         self.fab, self.run_dir, self.checkpoint, self.geom = fab, run_dir, checkpoint, geom
         self.device = device
+        self.connector = connector
         self.timing = timing
         self.collectives = collective_configs(fab.endpoints, collectives) if collectives else {}
         self.buffer_bytes, self.hbm_bytes, self.store_capacity = buffer_bytes, hbm_bytes, store_capacity
@@ -202,7 +209,7 @@ class Cluster:
                 self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
                     "--role", ep.role, "--checkpoint", str(self.checkpoint),
                     "--hbm-bytes", str(self.hbm_bytes), "--block-size", str(self.geom.block_size),
-                    "--device", self.device,
+                    "--device", self.device, *(self.connector.engine_args() if self.connector else []),
                     *(["--timing", json.dumps(self.timing)] if self.timing else []),
                     *(["--collectives", json.dumps(self.collectives[ep.name])] if ep.name in self.collectives else [])])
         for p in self.procs.values():

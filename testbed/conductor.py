@@ -80,6 +80,7 @@ class RequestRecord:
     pe_layer_hashes: list[str] = field(default_factory=list, repr=False)
     de_layer_hashes: list[str] = field(default_factory=list, repr=False)
     peak_hit_bytes: int = 0
+    connectors: tuple[str, str] = ("", "")  # the classes that moved its KV on the PE and on the DE
     t_arrive: float = 0.0
     t_routed: float = 0.0  # the scheduler's decision reached the conductor
     t_read_start: float = 0.0
@@ -146,6 +147,7 @@ class PrefillJob:
         r = self.rec
         if len(self.tags) == 1:  # the first pass loaded the stored hits: what verification checks
             r.pe_layer_hashes, r.peak_hit_bytes = res["layer_hashes"], res["peak_hit_bytes"]
+            r.connectors = (res.get("connector", ""), r.connectors[1])
         else:
             r.chunk_read_bytes += kv_bytes(geom, self.n_past)
         r.chunk_read_bytes += res.get("reread_bytes", 0)
@@ -308,6 +310,7 @@ class Conductor:
                 expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
             rec.reread_bytes = dec["reread_bytes"]
             rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
+            rec.connectors = (rec.connectors[0], dec.get("connector", ""))
             rec.token_times = [round(t - self.t0, 6) for t in dec["token_times"]]
             if "de" in held:
                 await self._free(*held.pop("de"))

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dualpath.accounting import RequestBytes, compare, expected_totals, request_bytes
 from dualpath.kv.spans import kv_bytes
@@ -38,6 +38,9 @@ from testbed.paths import REPO, code_version, shown_path
 from testbed.runclock import RunClock
 from testbed.topology import Topology
 from testbed.scheduling import STALE_AFTER_S, ServiceRouter
+
+if TYPE_CHECKING:
+    from dualpath.kv.plugin import ConnectorRef
 
 TOLERANCE = 0.02  # measured KV bytes per NIC vs the per-path counts
 # Tokens per Full Block in runs. Every Layer Block is one descriptor of a READ, and the
@@ -295,37 +298,45 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
         if res.mode == "oracle":
             res.verdicts = {"tokens": "n/a (oracle moves no KV)"}
             continue
-        n = tok = pe_ok = pe_n = de_ok = de_n = 0
-        first_bad = None
-        for ri, r in enumerate(res.records):
-            if r.error:
-                continue
-            v = verdicts[(mi, ri)]
-            res.wrong_tokens[r.request] = v.wrong_tokens
-            n += 1
-            tok += v.tokens_match
-            if v.pe_kv_match is not None:
-                pe_n += 1
-                pe_ok += v.pe_kv_match
-            if v.de_kv_match is not None:
-                de_n += 1
-                de_ok += v.de_kv_match
-            if first_bad is None and not (v.tokens_match and v.pe_kv_match is not False and v.de_kv_match is not False):
-                first_bad = r.request
-        res.verdicts = {"requests": n, "tokens_match": tok, "pe_kv_bit_exact": f"{pe_ok}/{pe_n}",
-                        "de_kv_bit_exact": f"{de_ok}/{de_n}", "all_match": tok == n and pe_ok == pe_n and de_ok == de_n,
-                        "first_mismatch": first_bad}
+        res.verdicts = _tally(res, {ri: verdicts[(mi, ri)] for ri, r in enumerate(res.records) if not r.error})
+
+
+def _tally(res: ModeResult, verdicts: dict[int, Any]) -> dict[str, Any]:
+    """One mode's verification: counts per check, and the first request that failed one, with
+    the check and (for KV) the first layer that differed."""
+    n = tok = pe_ok = pe_n = de_ok = de_n = 0
+    first: dict[str, Any] | None = None
+    for ri, v in verdicts.items():
+        r = res.records[ri]
+        res.wrong_tokens[r.request] = v.wrong_tokens
+        n += 1
+        tok += v.tokens_match
+        if v.pe_kv_match is not None:
+            pe_n += 1
+            pe_ok += v.pe_kv_match
+        if v.de_kv_match is not None:
+            de_n += 1
+            de_ok += v.de_kv_match
+        if first is None:  # the KV a request loaded explains its tokens, so it is named first
+            failed = [(c, layer) for c, ok, layer in (("pe_kv_bit_exact", v.pe_kv_match, v.pe_bad_layer),
+                                                      ("de_kv_bit_exact", v.de_kv_match, v.de_bad_layer),
+                                                      ("tokens_match", v.tokens_match, None)) if ok is False]
+            if failed:
+                first = {"request": r.request, "check": failed[0][0], "layer": failed[0][1]}
+    return {"requests": n, "tokens_match": tok, "pe_kv_bit_exact": f"{pe_ok}/{pe_n}",
+            "de_kv_bit_exact": f"{de_ok}/{de_n}", "all_match": tok == n and pe_ok == pe_n and de_ok == de_n,
+            "first_mismatch": first["request"] if first else None, "first_failed_check": first}
 
 
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
             progress: Callable[[str], None] = print, transport: str = "tcp",
             quota_s: float = 0.3, faults: tuple[FaultSpec, ...] = (), seed: int = 0,
-            device: str = "cpu") -> list[ModeResult]:
+            device: str = "cpu", connector: ConnectorRef | None = None) -> list[ModeResult]:
     """Every mode on one cluster; with `faults`, every mode on a fresh cluster of its own (a
     fault kills processes and fills disks: the next mode must not inherit that), each mode
     getting every fault. The engines, and the recomputation that checks them, compute on
-    `device`."""
+    `device`; they run `connector`, a team's plug-in, where it applies (dualpath/kv/plugin.py)."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
@@ -337,7 +348,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     def cluster_for(folder: Path) -> Cluster:
         return Cluster(fab, folder, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
                        timing=clock.engine_timing(), collectives=clock.engine_collectives(),
-                       tmpfs_stores=tmpfs, device=device)
+                       tmpfs_stores=tmpfs, device=device, connector=connector)
 
     def up(cluster: Cluster) -> None:
         t0 = time.monotonic()
@@ -393,6 +404,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
             "fidelity_notes": res.fidelity_notes,
             "requests": len(res.records), "errors": len(res.records) - len(ok),
+            "first_error": next(({"request": r.request, "error": " ".join(str(r.error).split())[:300]}
+                                 for r in res.records if r.error), None),
             "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
             # per agent, arrival to its last turn's end: the online figures' JCT (offline, all arrive at once)
             "agent_jct_s": {"mean": round(sum(res.agent_jct_s) / len(res.agent_jct_s) / k, 4) if res.agent_jct_s else None,
@@ -402,6 +415,9 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
             "tpot_s": percentiles((x["tpot"] for x in lat), scale=1 / k),
             "hit_rate": round(hit / prompt, 4) if prompt else 0,
             "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
+            # the classes that moved KV, as the engines report them: a plug-in shows here by name
+            "connectors": {side: sorted({r.connectors[i] for r in ok if r.connectors[i]})
+                           for i, side in enumerate(("prefill", "decode"))},
             "verification": res.verdicts,
             **({"rdma": res.rdma} if res.rdma is not None else {}),
             "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
@@ -593,7 +609,8 @@ def write_results(results: list[ModeResult], summary: dict[str, Any], run_dir: P
 def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir: Path, command: str,
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
                   quota_s: float = 0.3, extra: dict[str, Any] | None = None,
-                  faults: tuple[FaultSpec, ...] = (), device: str = "cpu") -> dict[str, Any]:
+                  faults: tuple[FaultSpec, ...] = (), device: str = "cpu",
+                  connector: ConnectorRef | None = None) -> dict[str, Any]:
     """One `dualpath run`: bring the topology up, run every mode (each with `faults`, seeded by
     the workload's seed), tear down, and write
     run_dir/{summary.json, records.jsonl, passes.jsonl, steps.jsonl, links.jsonl, report.md}.
@@ -612,7 +629,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
-                          seed=workload.config.seed, device=device)
+                          seed=workload.config.seed, device=device, connector=connector)
     summary = summarize(results, workload, geom, topo)
     if faults:
         summary["fault_injection"] = {

@@ -90,6 +90,43 @@ def verdict_lines(summary: dict) -> list[str]:
     return lines
 
 
+def failed_checks(summary: dict) -> list[str]:
+    """One line per check a mode failed, naming the request, the layer or the NIC: what makes
+    `dualpath run` exit non-zero. With faults, a request may fail alone and the bytes of retried
+    attempts are not in the expected counts; nothing may be wrong or lost."""
+    faults = "fault_injection" in summary
+    out = []
+    for mode, m in summary["modes"].items():
+        v = m["verification"]
+        first = v.get("first_failed_check")
+        if v.get("all_match") is False:
+            where = (f"request {first['request']}" + (f", layer {first['layer']}" if first.get("layer") is not None
+                                                        else "")) if first else f"request {v.get('first_mismatch')}"
+            what = {"pe_kv_bit_exact": "the past KV the PE loaded differs from the recomputation's",
+                    "de_kv_bit_exact": "the prompt KV the DE loaded differs from the recomputation's",
+                    "tokens_match": "its tokens differ from the recomputation's"}.get(first["check"] if first else "", "")
+            out.append(f"{mode}: check {first['check'] if first else 'verification'} failed at {where}: {what}")
+        for f in m.get("faults", []):
+            if f.get("wrong_tokens") or f.get("lost_blocks"):
+                out.append(f"{mode}: fault {f['kind']}:{f.get('target') or ''}: {f.get('wrong_tokens', 0)} wrong "
+                           f"token(s), {f.get('lost_blocks', 0)} lost block(s)")
+        if faults:
+            continue
+        if m["errors"]:
+            e = m.get("first_error") or {}
+            out.append(f"{mode}: check errors failed: {m['errors']} request(s) failed; the first, "
+                       f"{e.get('request', '?')}: {e.get('error', '?')}")
+        acc = m["kv_bytes_vs_expected"]
+        bad = [r for r in acc["per_nic"] if not r["ok"]]
+        if bad:  # the NIC furthest off names the problem; the table above has every one
+            r = max(bad, key=lambda x: abs(x["measured"] - x["expected"]))
+            out.append(f"{mode}: check kv_bytes_vs_expected failed on {len(bad)} of {acc['nics']} NICs; furthest off "
+                       f"{r['nic']}: expected {r['expected'] / 1e6:.2f} MB by the path definitions, measured "
+                       f"{r['measured'] / 1e6:.2f} MB in the kv class (KV sent in another class, re-sent, or bytes "
+                       f"no path defines)")
+    return out
+
+
 def e2e_lines(summary: dict) -> list[str]:
     """The main job's summary: the verdict and times per mode, correctness, KV bytes per NIC."""
     lines = verdict_lines(summary)
@@ -128,6 +165,12 @@ def e2e_lines(summary: dict) -> list[str]:
     lines.extend(_balance_lines(summary))
     lines.extend(conversation_lines(summary))
     lines.extend(fault_lines(summary))
+    if summary.get("connector"):
+        c = summary["connector"]
+        lines.append(f"connector: {c['spec']} ({c['name']}, contract v{c['contract_version']}) in modes "
+                     f"{','.join(c.get('modes', []))}: every check above applies to it")
+    bad = failed_checks(summary)
+    lines.extend(["FAILED checks:", *(f"  {x}" for x in bad)] if bad else ["every check passed"])
     return lines
 
 

@@ -177,6 +177,9 @@ class TopologySpec(_Strict):
     hosts: Literal["namespaces", "docker"] = "namespaces"
     container_limits: ContainerLimitsSpec | None = None
     description: str = Field(default="", max_length=MAX_SCALAR_CHARS)
+    # A team's KV connector, MODULE:CLASS or FILE.py:CLASS (a FILE relative to this topology's
+    # folder): what `dualpath run --connector` names (dualpath/kv/plugin.py, docs/connectors.md).
+    connector: str | None = Field(default=None, min_length=3, max_length=300, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
     # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb: hence <= 99 (le above).
 
     @field_validator("gso_max_bytes")

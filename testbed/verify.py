@@ -10,12 +10,12 @@ every bit (dualpath/model/transformer.py).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
-from dualpath.kv.layouts import BlockGeometry, pack_rows
+from dualpath.kv.check import layer_hash
+from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.model.device import resolve_device
 
@@ -26,15 +26,20 @@ class Verdict:
     pe_kv_match: bool | None  # None: nothing loaded (no hit, or oracle)
     de_kv_match: bool | None
     wrong_tokens: int = 0  # generated tokens unlike the recomputation's (a missing or extra one counts)
+    pe_bad_layer: int | None = None  # the first layer whose loaded KV differs (None: every one matched)
+    de_bad_layer: int | None = None
+
+
+def first_bad_layer(got: list[str], want: list[str]) -> int | None:
+    """The first layer whose hash differs; a missing or extra layer counts from where the lists part."""
+    for layer, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return layer
+    return None if len(got) == len(want) else min(len(got), len(want))
 
 
 def _layer_hashes(kv, geom: BlockGeometry, n: int) -> list[str]:
-    out = []
-    for k, v in kv:
-        rows = torch.empty((n, geom.bytes_per_token_per_layer), dtype=torch.uint8)
-        pack_rows(k[:n], v[:n], geom, rows)
-        out.append(hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest())
-    return out
+    return [layer_hash(k[:n], v[:n], geom) for k, v in kv]
 
 
 class Reference:
@@ -79,10 +84,11 @@ class Reference:
     def check(self, prompt: list[int], gen_len: int, tokens: list[int], n_hit: int,
               pe_hashes: list[str], de_hashes: list[str]) -> Verdict:
         ref_tokens, kv = self.run(prompt, gen_len)
-        pe = _layer_hashes(kv, self.geom, n_hit) == pe_hashes if pe_hashes else None
-        de = _layer_hashes(kv, self.geom, len(prompt)) == de_hashes if de_hashes else None
+        pe_bad = first_bad_layer(pe_hashes, _layer_hashes(kv, self.geom, n_hit)) if pe_hashes else None
+        de_bad = first_bad_layer(de_hashes, _layer_hashes(kv, self.geom, len(prompt))) if de_hashes else None
         wrong = sum(a != b for a, b in zip(ref_tokens, tokens)) + abs(len(ref_tokens) - len(tokens))
-        return Verdict(ref_tokens == tokens, pe, de, wrong)
+        return Verdict(ref_tokens == tokens, pe_bad is None if pe_hashes else None,
+                       de_bad is None if de_hashes else None, wrong, pe_bad, de_bad)
 
 
 _REFERENCES: dict[tuple[str, str], Reference] = {}  # per process: one model per checkpoint and device

@@ -57,9 +57,11 @@ def test_verdicts_in_one_process_and_in_two(ckpt, workers):
     verify(results, ckpt, geom, lambda _m: None, workers=workers)
     basic, dual, oracle = (r.verdicts for r in results)
     assert basic == {"requests": 9, "tokens_match": 9, "pe_kv_bit_exact": "9/9", "de_kv_bit_exact": "8/9",
-                     "all_match": False, "first_mismatch": "basic-t2-r2"}
+                     "all_match": False, "first_mismatch": "basic-t2-r2",
+                     "first_failed_check": {"request": "basic-t2-r2", "check": "de_kv_bit_exact", "layer": 1}}
     assert dual == {"requests": 9, "tokens_match": 8, "pe_kv_bit_exact": "9/9", "de_kv_bit_exact": "9/9",
-                    "all_match": False, "first_mismatch": "dualpath-t1-r1"}
+                    "all_match": False, "first_mismatch": "dualpath-t1-r1",
+                    "first_failed_check": {"request": "dualpath-t1-r1", "check": "tokens_match", "layer": None}}
     assert oracle == {"tokens": "n/a (oracle moves no KV)"}
 
 

@@ -1,12 +1,18 @@
 """Is the KV a writer sent really in the buffer? One CRC (CRC-32C, the store's) for all of it."""
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dualpath.store.checksum import ALGO_CRC32C, checksum
+
+if TYPE_CHECKING:
+    import torch
+
+    from dualpath.kv.layouts import BlockGeometry
 
 
 def crc(data: Any, value: int = 0) -> int:
@@ -25,3 +31,15 @@ def stale(buf: np.ndarray, parts: Iterable[tuple[int, int, int]]) -> list[int]:
     before it persists a written-back block. This is the one check all of them use.
     """
     return [i for i, (off, n, crc) in enumerate(parts) if checksum(buf[off:off + n], ALGO_CRC32C) != crc]
+
+
+def layer_hash(k: "torch.Tensor", v: "torch.Tensor", geom: "BlockGeometry") -> str:
+    """One layer's K and V as an engine lays them out in HBM rows, hashed: what an engine reports
+    of the KV it loaded and the verification computes from its own recomputation."""
+    import torch
+
+    from dualpath.kv.layouts import pack_rows
+
+    rows = torch.empty((k.shape[0], geom.bytes_per_token_per_layer), dtype=torch.uint8)
+    pack_rows(k.detach().cpu(), v.detach().cpu(), geom, rows)
+    return hashlib.blake2b(rows.numpy().tobytes(), digest_size=16).hexdigest()

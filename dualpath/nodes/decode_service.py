@@ -21,6 +21,7 @@ from dualpath.nodes.leader import EngineLoad
 from dualpath.kv.buffers import ByteAllocator
 from dualpath.control import MAX_MSG_BYTES, REFUSED, Auth, RpcServer, pack, unpack
 from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan, OracleDecodeConnector
+from dualpath.kv.plugin import CheckedDecode, ConnectorPlugin, connector_name
 from dualpath.engines.clock import DeviceClock
 from dualpath.engines.collective import CollectiveGroup
 from dualpath.engines.decode import DecodeBatcher, DecodeJob
@@ -47,8 +48,10 @@ class DecodeService:
     def __init__(self, model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
                  load: EngineLoad, clock: DeviceClock, cost: DecodeCostModel | None, control: str, decode: str,
                  handlers: dict[str, Callable[..., dict | None]], max_seconds: float = 24 * 3600,
-                 collective: CollectiveGroup | None = None, auth: Auth | None = None) -> None:
+                 collective: CollectiveGroup | None = None, auth: Auth | None = None,
+                 plugin: type[ConnectorPlugin] | None = None) -> None:
         self.agent, self.hbm, self.alloc, self.geom, self.load = agent, hbm, alloc, geom, load
+        self.plugin = plugin  # a team's decode connector, if it has one (dualpath/kv/plugin.py)
         self.auth = auth or Auth()
         self.batcher = DecodeBatcher(model, geom, clock, cost, collective)
         self.rpc = RpcServer(control, {**handlers, "steps": self._steps}, auth=self.auth)
@@ -126,9 +129,22 @@ class DecodeService:
             why = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
             self.jobs.send_multipart([ident, b"", pack({"ok": False, "id": rid, "error": f"decode: {why}"})])
             return
-        conn_cls = BufferDecodeConnector if plan.src is not None else OracleDecodeConnector
-        conn = conn_cls(self.agent, self.hbm, self.alloc, self.geom, device=self.batcher.model.device)
+        try:
+            conn = self._connector(plan)
+        except Exception as e:  # a plug-in's constructor: the request fails, the engine serves on
+            self.jobs.send_multipart([ident, b"", pack({"ok": False, "id": rid, "error": (
+                f"request {plan.request}: decode connector: {type(e).__name__}: {' '.join(str(e).split())[:200]}")})])
+            return
         self.batcher.admit(DecodeJob(plan, a["first_token"], a["t_first_token"], conn, reply=(ident, rid)))
+
+    def _connector(self, plan: DecodePlan):
+        args = (self.agent, self.hbm, self.alloc, self.geom)
+        device = self.batcher.model.device
+        if plan.src is None:
+            return OracleDecodeConnector(*args, device=device)
+        if self.plugin is not None and self.plugin.decode is not None:
+            return CheckedDecode(self.plugin.decode(*args, device=device), self.geom)
+        return BufferDecodeConnector(*args, device=device)
 
     def _answer(self, job: DecodeJob) -> None:
         ident, rid = job.reply
@@ -140,5 +156,6 @@ class DecodeService:
             reply = {"ok": True, "id": rid, "tokens": job.tokens, "token_times": job.token_times,
                      "written_blocks": s.written_blocks, "block_crcs": s.block_crcs,
                      "layer_hashes": s.layer_hashes, "read_bytes": s.read_bytes,
-                     "written_bytes": s.written_bytes, "reread_bytes": s.reread_bytes}
+                     "written_bytes": s.written_bytes, "reread_bytes": s.reread_bytes,
+                     "connector": connector_name(job.conn)}
         self.jobs.send_multipart([ident, b"", pack(reply)])

@@ -41,6 +41,9 @@ def main() -> None:
                     "and the target's cost models; empty: the CPU's own time")
     ap.add_argument("--collectives", default="", help="JSON {port, peers, dispatch_per_token, "
                     "combine_per_token}: run the group's AllToAll on every layer; empty: none")
+    ap.add_argument("--connector", default="", help="MODULE:CLASS of a ConnectorPlugin (dualpath/kv/plugin.py); "
+                    "empty: the built-in connectors")
+    ap.add_argument("--connector-path", default="", help="a folder to import the connector's module from")
     args = ap.parse_args()
     exit_on_sigterm()
     auth = run_auth()
@@ -68,6 +71,14 @@ def main() -> None:
         device = resolve_device(args.device)
     except DeviceError as e:
         sys.exit(f"{args.name}: --device: {e}")
+    plugin = None
+    if args.connector:  # before the model loads: a plug-in that cannot load fails the start at once
+        from dualpath.kv.plugin import ConnectorError, load_plugin
+
+        try:
+            plugin = load_plugin(*args.connector.split(":"), args.connector_path or None)
+        except ConnectorError as e:
+            sys.exit(f"{args.name}: {e}")
     model = Transformer.from_pretrained(args.checkpoint, device=device)
     # One throwaway pass and step before serving: the first call of each kernel shape allocates
     # and builds tables, and on an emulated clock that one-time cost would overrun a real pass.
@@ -112,7 +123,7 @@ def main() -> None:
         from dualpath.nodes.prefill_service import prefill_handlers
 
         cost = AttentionCostModel.from_dict(timing["prefill"]) if timing else None
-        handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective)
+        handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective, plugin)
         server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                            {**wiring_handlers(agent, hello), **common, **handlers}, auth=auth)
         freeze_startup_heap()
@@ -131,7 +142,8 @@ def main() -> None:
         service = DecodeService(model, agent, hbm, alloc, geom, load, clock, cost,
                                 control=f"tcp://{args.ip}:{args.control_port}",
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                                handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth)
+                                handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth,
+                                plugin=plugin)
         freeze_startup_heap()
         print(f"ready {args.name} {agent.transport_in_use}", flush=True)
         try:

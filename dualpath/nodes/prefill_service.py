@@ -11,6 +11,7 @@ from dualpath.engines.clock import DeviceClock
 from dualpath.engines.collective import CollectiveGroup
 from dualpath.engines.prefill import prefill_batch as run_prefill_batch
 from dualpath.kv.connector import BasicConnector, LayerwiseConnector, LoadPlan, OracleConnector, PastRead
+from dualpath.kv.plugin import CheckedPrefill, ConnectorPlugin, connector_name
 from dualpath.kv.spans import Span
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
@@ -19,11 +20,13 @@ from dualpath.scheduler.cost_model import AttentionCostModel
 
 def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllocator, geom: BlockGeometry,
                      load: EngineLoad, clock: DeviceClock, cost: AttentionCostModel | None,
-                     collective: CollectiveGroup | None = None) -> tuple[dict[str, Callable[..., dict]], dict]:
+                     collective: CollectiveGroup | None = None, plugin: type[ConnectorPlugin] | None = None
+                     ) -> tuple[dict[str, Callable[..., dict]], dict]:
     """The engine's `prefill_batch` command, and what its `hello` adds: on the CPU's own clock,
     the cost model fitted on this engine's prefill loop and its throughput (for beta). With a
     `collective`, every layer of every pass runs the group's AllToAll, and the reply's timing
-    lists each one (`collective_log`)."""
+    lists each one (`collective_log`). A `plugin` with a prefill class runs it where the layerwise
+    connector would run, checked by the engine (dualpath/kv/plugin.py)."""
     hello: dict = {}
     if not clock.emulated:
         from dualpath.engines.profile import profile_model
@@ -38,6 +41,8 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
             raise ValueError(f"mode {mode!r} needs a destination span")
         if mode == "basic":
             return BasicConnector(agent, hbm, alloc, geom, device=model.device)
+        if mode == "layerwise" and plugin is not None and plugin.prefill is not None:
+            return CheckedPrefill(plugin.prefill(agent, hbm, alloc, geom, device=model.device), geom)
         if mode == "layerwise":
             return LayerwiseConnector(agent, hbm, alloc, geom, device=model.device)
         raise ValueError(f"unknown prefill mode {mode!r}")
@@ -75,7 +80,7 @@ def prefill_handlers(model: Transformer, agent, hbm: np.ndarray, alloc: ByteAllo
                             "read_bytes": s.read_bytes, "written_bytes": s.written_bytes,
                             "read_wait_s": s.read_wait_s, "peak_hit_bytes": s.peak_hit_bytes,
                             "layer_hashes": s.layer_hashes, "write_crcs": s.write_crcs,
-                            "reread_bytes": s.reread_bytes})
+                            "reread_bytes": s.reread_bytes, "connector": connector_name(conn)})
         tm = {**timing.to_dict(), "overran": timing.overran}
         if collective is not None:
             tm["collective_log"] = collective.take_log()
