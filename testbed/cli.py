@@ -297,7 +297,8 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
           topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
           out: Path = typer.Option(Path("results/bench"), help="where the run's folder goes"),
           transport: str = typer.Option("tcp", help="transport: tcp, or rdma (Soft-RoCE: NIXL against perftest "
-                                        "on the same rxe link, proven by its hw_counters)")) -> None:
+                                        "on the same rxe link, proven by its hw_counters), or mooncake (Mooncake's "
+                                        "transfer engine over TCP, and its transfer_engine_bench)")) -> None:
     """Data-plane benchmarks: NIXL vs iperf3 (unshaped and at the CNIC rate); store vs iperf3 and fio;
     burst: how far past its HTB bucket an idle shaped NIC lets a fresh transfer go (for `sim --calibrate --burst`);
     ucx-perftest: UCX's own benchmark (tag, put, get) across two engines vs iperf3, in each traffic class."""
@@ -310,6 +311,17 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
             need_tool()
         except MissingTool as e:
             _fail(str(e))
+    mooncake = transport == "mooncake"
+    if mooncake:
+        from testbed.benches.transport_mooncake import MissingMooncake, need_mooncake
+
+        if what != "transport":
+            _fail("bench: --transport mooncake applies to `bench transport` only")
+        try:
+            need_mooncake()
+        except MissingMooncake as e:
+            _fail(str(e))
+        transport = "tcp"  # the fabric's own; Mooncake brings its TCP transport
     _transport_opt(transport)
     if transport == "rdma" and what != "transport":
         _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
@@ -329,6 +341,10 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
             from testbed.benches.ucx_perftest import bench_ucx_perftest
 
             res = {"topology": t.name, **bench_ucx_perftest(fab, typer.echo)}
+        elif mooncake:
+            from testbed.benches.transport_mooncake import bench_transport_mooncake
+
+            res = {"topology": t.name, **bench_transport_mooncake(fab, scratch, typer.echo)}
         else:
             res = bench_transport(fab, typer.echo) if what == "transport" else bench_store(fab, scratch, typer.echo)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -346,6 +362,10 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
         from testbed.benches.ucx_perftest import lines as perftest_lines
 
         lines = perftest_lines(res)
+    elif mooncake:
+        from testbed.benches.transport_mooncake import lines as mooncake_lines
+
+        lines = mooncake_lines(res)
     else:
         lines = bench_lines(what, res)
     (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"
