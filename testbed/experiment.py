@@ -624,7 +624,9 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     geom = run_geometry(checkpoint)
     t0 = time.monotonic()
     spec = topo.spec
-    shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent)  # what nodes read and write
+    shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent,  # what nodes read and write
+              *((connector.path,) if connector is not None and not connector.path.is_relative_to(REPO) else ()))
+    # (a plug-in outside the repository: docker nodes, which see the repository, import it from there)
     with claimed_fabric(topo, transport, shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),

@@ -30,7 +30,7 @@ import torch
 
 from dualpath.kv.buffers import ByteAllocator
 from dualpath.kv.check import crc as kv_crc
-from dualpath.kv.check import stale
+from dualpath.kv.check import REREAD_AFTER_S, REREAD_MAX_GAP_S, stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, pack_rows, unpack_layer
 from dualpath.model.device import to_device
@@ -183,11 +183,13 @@ class KVConnector(ABC):
             return
         deadline = time.monotonic() + self.timeout_s
         nbytes = self._layer_bytes(plan.n_past)
+        gap = REREAD_AFTER_S
         while stale(self.hbm, [(off, nbytes, plan.past_crcs[layer])]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"request {plan.request}: layer {layer} of its past KV never landed intact "
                                    f"in the DE buffer; the data plane lost or corrupted bytes")
-            time.sleep(0.002)
+            time.sleep(gap)
+            gap = min(2 * gap, REREAD_MAX_GAP_S)  # a layer that never matches must not flood the link
             before = self.stats.read_bytes
             self._wait(self._post_read(plan, layer, off))
             self.stats.reread_bytes += self.stats.read_bytes - before

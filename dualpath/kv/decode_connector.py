@@ -22,14 +22,13 @@ import numpy as np
 import torch
 
 from dualpath.kv.buffers import ByteAllocator
-from dualpath.kv.check import crc, stale
+from dualpath.kv.check import REREAD_AFTER_S, REREAD_MAX_GAP_S, crc, stale
 from dualpath.kv.spans import Span, token_rows_descs
 from dualpath.kv.layouts import BlockGeometry, build_full_block, unpack_layer
 from dualpath.model.device import to_device
 from dualpath.timeouts import scaled
 
 KV = tuple[torch.Tensor, torch.Tensor]
-REREAD_AFTER_S = 0.002  # a late layer is read again after this long (its WRITE is still landing)
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,7 @@ class BufferDecodeConnector(DecodeConnector):
         self._deadline = time.monotonic() + self.timeout_s
         self._off = self.alloc.alloc(self._layer_bytes * g.n_layer)
         self._reread_at = 0.0
+        self._reread_gap = REREAD_AFTER_S
         n_wb = max(0, (plan.n_prompt + plan.gen_len - 1) // g.block_size - plan.first_new_block)
         # One staging slot per block written back: a slot is never refilled while its WRITE
         # may still be reading it.
@@ -131,7 +131,8 @@ class BufferDecodeConnector(DecodeConnector):
                 self._xfer = self._read(late)
                 self.stats.reread_bytes += self.stats.read_bytes - before
                 self.stats.read_bytes = before
-                self._reread_at = now + REREAD_AFTER_S
+                self._reread_at = now + self._reread_gap
+                self._reread_gap = min(2 * self._reread_gap, REREAD_MAX_GAP_S)
                 return None
         g, bpt = self.geom, self.geom.bytes_per_token_per_layer
         kv = []

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from dualpath.kv.check import crc, stale
+from dualpath.kv.check import REREAD_AFTER_S, REREAD_MAX_GAP_S, crc, stale
 from dualpath.kv.connector import KV, KVConnector, LoadPlan
 from dualpath.kv.decode_connector import DecodeConnector, DecodePlan
 from dualpath.kv.layouts import build_full_block, pack_rows, unpack_layer
@@ -81,6 +81,7 @@ class SimpleDecode(DecodeConnector):
         self.wb_off = self.alloc.alloc(max(n_wb, 1) * g.full_block_bytes) if plan.wb is not None else None
         self.reads = {layer: self._read(layer) for layer in range(g.n_layer)}
         self.writes: list = []
+        self.reread_at, self.gap = 0.0, REREAD_AFTER_S
 
     def _read(self, layer: int):
         descs = token_rows_descs(self.geom, layer, 0, self.plan.n_prompt, self.off + layer * self.layer_bytes,
@@ -97,6 +98,10 @@ class SimpleDecode(DecodeConnector):
         if p.expect_crcs is not None:  # a layer the PE's WRITE had not finished landing: read it again
             late = stale(self.hbm, [(self.off + l * lb, lb, c) for l, c in enumerate(p.expect_crcs)])
             if late:
+                now = time.monotonic()
+                if now < self.reread_at:  # backing off: a layer that never matches must not flood the link
+                    return None
+                self.reread_at, self.gap = now + self.gap, min(2 * self.gap, REREAD_MAX_GAP_S)
                 before = self.stats.read_bytes
                 self.reads = {layer: self._read(layer) for layer in late}
                 self.stats.reread_bytes += self.stats.read_bytes - before
