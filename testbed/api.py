@@ -58,13 +58,11 @@ def resolve_topology(name: str | os.PathLike[str] | None) -> Path:
 
 
 def demo_checkpoint() -> Path:
-    """The tiny deterministic demo model the services load unless told otherwise (made once)."""
-    from dualpath.model.tiny import DEMO, make_tiny_checkpoint
+    """The tiny deterministic demo model the services load unless told otherwise (made once,
+    atomically, by the one builder of it: dualpath.model.registry.prepare_tiny)."""
+    from dualpath.model.registry import prepare_tiny
 
-    path = REPO / "build" / "checkpoints" / "tiny-qwen2-demo"
-    if not (path / "model.safetensors").exists():
-        make_tiny_checkpoint(path, seed=0, kind="qwen2", **DEMO)
-    return path
+    return prepare_tiny()
 
 
 def fabric_record(fab: Any, topology_path: Path | None = None) -> dict[str, Any]:
@@ -215,7 +213,7 @@ class Testbed:
 
     def _start_services(self) -> None:
         from testbed.cluster import CONTROL_PORT, Cluster
-        from testbed.experiment import run_geometry
+        from testbed.runclock import run_geometry
         from testbed.runclock import RunClock
 
         ckpt = self._checkpoint()

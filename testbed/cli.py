@@ -385,7 +385,7 @@ def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint
     from dualpath.model import CheckpointError
     from testbed.profile import profile
 
-    ckpt = checkpoint or _demo_checkpoint()
+    ckpt = checkpoint or _demo_model()
     try:
         res = profile(ckpt, quota_s=quota)
     except CheckpointError as e:
@@ -809,7 +809,7 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     from dualpath.model import CheckpointError
     from dualpath.model.checkpoint import preflight
     from testbed.conductor import MODES
-    from testbed.experiment import run_geometry
+    from testbed.runclock import run_geometry
 
     t = _topology(topology)
     if compute is not None:
@@ -874,7 +874,7 @@ def _model_checkpoint(model: Optional[str], checkpoint: Optional[Path]) -> Path:
     """The checkpoint directory of --model (a name, prepared on first use, or a directory) and
     --checkpoint; both may be given only when they are the same directory."""
     if model is None:
-        return checkpoint or _demo_checkpoint()
+        return checkpoint or _demo_model()
     from dualpath.model import CheckpointError
     from dualpath.model.registry import MODEL_NAMES, resolve_model
 
@@ -996,7 +996,7 @@ def _faults(t, texts: list[str]) -> list:
         _fail(str(e))
 
 
-def _demo_checkpoint() -> Path:
+def _demo_model() -> Path:
     from testbed.api import demo_checkpoint
 
     return demo_checkpoint()

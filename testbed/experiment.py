@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable
 from dualpath.accounting import RequestBytes, compare, expected_totals, request_bytes
 from dualpath.kv.spans import kv_bytes
 from dualpath.kv.layouts import BlockGeometry
-from dualpath.model import load_config
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel
 from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
@@ -35,7 +34,7 @@ from testbed.fidelity import link_use, tolerated as tolerated_overruns, verdict 
 from testbed.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.monitor import Monitor
 from testbed.paths import REPO, code_version, shown_path
-from testbed.runclock import RunClock
+from testbed.runclock import RUN_BLOCK_TOKENS, RunClock, run_geometry  # noqa: F401 (re-exported)
 from testbed.topology import Topology
 from testbed.scheduling import STALE_AFTER_S, ServiceRouter
 
@@ -43,16 +42,6 @@ if TYPE_CHECKING:
     from dualpath.kv.plugin import ConnectorRef
 
 TOLERANCE = 0.02  # measured KV bytes per NIC vs the per-path counts
-# Tokens per Full Block in runs. Every Layer Block is one descriptor of a READ, and the
-# transport's request frame for it travels the other way: with 16 tokens (4 KiB Layer Blocks
-# of the demo model) that was 1.5-2 % of a NIC's bytes, with 32 it halves. The hit rate of the
-# demo workload stays at 0.94 (0.95 with 16): the paper's 64 would cost more of it here.
-RUN_BLOCK_TOKENS = 32
-
-
-def run_geometry(checkpoint: Path, block_size: int = RUN_BLOCK_TOKENS) -> BlockGeometry:
-    """The KV block geometry a run uses for this checkpoint."""
-    return BlockGeometry.from_config(load_config(checkpoint), block_size=block_size)
 
 
 @dataclass

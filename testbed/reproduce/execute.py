@@ -44,11 +44,11 @@ def build_workload(cfg: RunConfig, dilation: float):
 def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[str], None] = print,
                checkpoint: Path | None = None) -> Run:
     """One config as one `dualpath run` into run_dir (needs root and the testbed)."""
-    from testbed.cli import _demo_checkpoint
+    from testbed.api import demo_checkpoint
     from testbed.experiment import run_geometry, run_to_folder
 
     topo = cfg.topology_obj()
-    ckpt = checkpoint or _demo_checkpoint()
+    ckpt = checkpoint or demo_checkpoint()
     k = topo.dilation(run_geometry(ckpt).kv_bytes_per_token)
     wl = build_workload(cfg, k)
     progress(f"  run {cfg.describe()}")

@@ -65,13 +65,13 @@ def plan(quick: bool = False) -> Plan:
 def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[str], None] = print,
                checkpoint: Path | None = None):
     """The isolation run of `cfg` into run_dir (root, the testbed): the executor's runner for this id."""
-    from testbed.cli import _demo_checkpoint
+    from testbed.api import demo_checkpoint
     from testbed.isolation import run_isolation
     from testbed.reproduce.execute import build_workload
     from testbed.reproduce.runs import load_run, write_plan
 
     topo = cfg.topology_obj()
-    ckpt = checkpoint or _demo_checkpoint()
+    ckpt = checkpoint or demo_checkpoint()
     progress(f"  run {cfg.describe()}")
     run_isolation(topo, build_workload(cfg, 1.0), ckpt, run_dir, command, progress, quota_s=cfg.quota_ms / 1000,
                   conditions=cfg.modes, extra={"workload_spec": cfg.to_dict()["workload"]})
