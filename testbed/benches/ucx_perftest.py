@@ -64,7 +64,7 @@ def _env(iface: str, cls: str) -> dict[str, str]:
     return env
 
 
-def perftest(fab: Fabric, test: str, cls: str, iters: int) -> dict[str, Any]:
+def perftest(fab: Fabric, test: str, cls: str, iters: int, msg_bytes: int = MSG_BYTES) -> dict[str, Any]:
     """One ucx_perftest run in `cls`: its bandwidth and the class bytes its sender's CNIC sent."""
     srv, cli = fab.endpoint("d0e0"), fab.endpoint("p0e0")
     sn, cn = srv.nic("cnic"), cli.nic("cnic")
@@ -74,7 +74,7 @@ def perftest(fab: Fabric, test: str, cls: str, iters: int) -> dict[str, Any]:
                               env=_env(sn.dev, cls), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)  # the server listens on its control port
-        argv = ["ucx_perftest", sn.ip, "-p", str(PORT), "-t", test, "-s", str(MSG_BYTES), "-n", str(iters),
+        argv = ["ucx_perftest", sn.ip, "-p", str(PORT), "-t", test, "-s", str(msg_bytes), "-n", str(iters),
                 "-w", "2", "-f"]
         p = subprocess.run(class_argv(ns_argv(cli.name, argv), cls), env=_env(cn.dev, cls), capture_output=True,
                            text=True, timeout=SECONDS * 10 + 30)
@@ -86,7 +86,7 @@ def perftest(fab: Fabric, test: str, cls: str, iters: int) -> dict[str, Any]:
             server.kill()
         server.wait(timeout=5)
     moved = {c: class_bytes(sender.dev, sender.ns).get(cid, 0) - before.get(cid, 0) for c, cid in CLASS_IDS.items()}
-    return {"test": test, "class": cls, "bytes_per_s": bw, "payload_bytes": (iters + 2) * MSG_BYTES,
+    return {"test": test, "class": cls, "bytes_per_s": bw, "payload_bytes": (iters + 2) * msg_bytes,
             "sender": sender.dev, "class_bytes": moved}
 
 
@@ -131,10 +131,27 @@ def bench_ucx_perftest(fab: Fabric, progress: Callable[[str], None] = print) -> 
             progress(f"  {cls}: ucx_perftest {test} {leg['bytes_per_s'] * 8 / 1e6:.1f} Mbit/s = "
                      f"{leg['over_iperf3']:.3f} of iperf3; its bytes in the {cls} class: {leg['in_class']}")
         out["classes"][cls] = {"iperf3": {**ref, "in_class": in_class(ref)}, "tests": legs}
+    out["put_by_message_size"] = put_sweep(fab, rate, out["classes"]["kv"]["iperf3"]["bytes_per_s"],
+                                           progress)
     ratios = [t["over_iperf3"] for c in out["classes"].values() for t in c["tests"].values()]
     out["min_over_iperf3"] = min(ratios)
     out["all_in_class"] = all(t["in_class"] for c in out["classes"].values()
                               for t in [*c["tests"].values(), c["iperf3"]])
+    return out
+
+
+PUT_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
+def put_sweep(fab: Fabric, rate: float, iperf_bps: float, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """ucp_put_bw at several message sizes in the kv class: over UCX's TCP transport its share of
+    iperf3 falls as messages grow (tag and get do not), which no one size shows."""
+    out = []
+    for size in PUT_SIZES:
+        leg = perftest(fab, "ucp_put_bw", "kv", max(8, int(SECONDS * rate / 8 / size)), size)
+        out.append({"message_bytes": size, "bytes_per_s": leg["bytes_per_s"],
+                    "over_iperf3": round(leg["bytes_per_s"] / iperf_bps, 4), "in_class": in_class(leg)})
+        progress(f"  kv: ucp_put_bw at {size >> 10} KiB messages: {out[-1]['over_iperf3']:.3f} of iperf3")
     return out
 
 
@@ -150,4 +167,8 @@ def lines(res: dict[str, Any]) -> list[str]:
             out.append(f"{cls:<6} {test:<11} {t['bytes_per_s'] * 8 / 1e6:8.1f} {t['over_iperf3']:9.3f} "
                        f"{str(t['in_class']):>8}")
     out.append(f"least ratio {res['min_over_iperf3']:.3f}; every leg's bytes in its class: {res['all_in_class']}")
+    if res.get("put_by_message_size"):
+        out.append("ucp_put_bw by message size (kv class): " + ", ".join(
+            f"{x['message_bytes'] >> 10} KiB {x['over_iperf3']:.3f}" for x in res["put_by_message_size"])
+                   + " of iperf3 (NIXL's WRITE, a UCX put too, gives 1.0 at 32 MiB: `bench transport`)")
     return out
