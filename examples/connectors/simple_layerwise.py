@@ -6,7 +6,7 @@ Both sides, in the simplest shape that is still correct:
   wait for that WRITE before the next layer (no overlap). Slower than the built-in layerwise
   connector, never wrong.
 - decode: one READ per layer of the prompt's KV (the built-in posts one READ for all layers),
-  checked against the PE's CRCs, and every new Full Block written back with its notification.
+  checked against the PE's CRCs; the write-back of new Full Blocks is the built-in's (inherited).
 
 Run it:  PYTHONPATH=examples/connectors dualpath run topologies/1p1d-io.yaml --modes dualpath \\
              --connector simple_layerwise:SimpleConnectors
@@ -20,8 +20,8 @@ import torch
 
 from dualpath.kv.check import REREAD_AFTER_S, REREAD_MAX_GAP_S, crc, stale
 from dualpath.kv.connector import KV, KVConnector, LoadPlan
-from dualpath.kv.decode_connector import DecodeConnector, DecodePlan
-from dualpath.kv.layouts import build_full_block, pack_rows, unpack_layer
+from dualpath.kv.decode_connector import BufferDecodeConnector, DecodePlan
+from dualpath.kv.layouts import pack_rows, unpack_layer
 from dualpath.kv.plugin import ConnectorPlugin
 from dualpath.kv.spans import token_rows_descs
 
@@ -70,78 +70,54 @@ class SimpleLayerwise(KVConnector):
             self.past_off = None
 
 
-class SimpleDecode(DecodeConnector):
+class SimpleDecode(BufferDecodeConnector):
+    """Its own load (one READ per layer); the built-in's write-back (save_block, poll_save, close)."""
+
     def start_load(self, plan: DecodePlan) -> None:
         g = self.geom
         self.plan = plan
         self.layer_bytes = plan.n_prompt * g.bytes_per_token_per_layer
-        self.deadline = time.monotonic() + self.timeout_s
-        self.off = self.alloc.alloc(self.layer_bytes * g.n_layer)
+        self._deadline = time.monotonic() + self.timeout_s
+        self._off = self.alloc.alloc(self.layer_bytes * g.n_layer)
         n_wb = max(0, (plan.n_prompt + plan.gen_len - 1) // g.block_size - plan.first_new_block)
-        self.wb_off = self.alloc.alloc(max(n_wb, 1) * g.full_block_bytes) if plan.wb is not None else None
-        self.reads = {layer: self._read(layer) for layer in range(g.n_layer)}
-        self.writes: list = []
+        self._wb_off = self.alloc.alloc(max(n_wb, 1) * g.full_block_bytes) if plan.wb is not None else None
+        self._writes: list = []
+        self.reads = {layer: self._read_layer(layer) for layer in range(g.n_layer)}
         self.reread_at, self.gap = 0.0, REREAD_AFTER_S
 
-    def _read(self, layer: int):
-        descs = token_rows_descs(self.geom, layer, 0, self.plan.n_prompt, self.off + layer * self.layer_bytes,
+    def _read_layer(self, layer: int):
+        descs = token_rows_descs(self.geom, layer, 0, self.plan.n_prompt, self._off + layer * self.layer_bytes,
                                  self.plan.src.offset)
         self.stats.read_bytes += int(descs[:, 2].sum())
         return self.agent.post("READ", self.plan.src.peer, "hbm", self.plan.src.region, descs, layer=layer)
 
     def poll_load(self) -> list[KV] | None:
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > self._deadline:
             raise TimeoutError(f"request {self.plan.request}: its prompt KV did not arrive intact")
         if not all(x.poll() for x in self.reads.values()):
             return None
         lb, p = self.layer_bytes, self.plan
         if p.expect_crcs is not None:  # a layer the PE's WRITE had not finished landing: read it again
-            late = stale(self.hbm, [(self.off + l * lb, lb, c) for l, c in enumerate(p.expect_crcs)])
+            late = stale(self.hbm, [(self._off + l * lb, lb, c) for l, c in enumerate(p.expect_crcs)])
             if late:
                 now = time.monotonic()
                 if now < self.reread_at:  # backing off: a layer that never matches must not flood the link
                     return None
                 self.reread_at, self.gap = now + self.gap, min(2 * self.gap, REREAD_MAX_GAP_S)
                 before = self.stats.read_bytes
-                self.reads = {layer: self._read(layer) for layer in late}
+                self.reads = {layer: self._read_layer(layer) for layer in late}
                 self.stats.reread_bytes += self.stats.read_bytes - before
                 self.stats.read_bytes = before
                 return None
         g, bpt = self.geom, self.geom.bytes_per_token_per_layer
         kv = []
         for layer in range(g.n_layer):
-            rows = torch.from_numpy(self.hbm[self.off + layer * lb:self.off + (layer + 1) * lb]).view(p.n_prompt, bpt)
+            rows = torch.from_numpy(self.hbm[self._off + layer * lb:self._off + (layer + 1) * lb]).view(p.n_prompt, bpt)
             k, v = unpack_layer(rows, g)
             kv.append((k.to(self.device).contiguous(), v.to(self.device).contiguous()))  # copies: HBM is freed next
-        self.alloc.free(self.off)
-        self.off = None
+        self.alloc.free(self._off)
+        self._off = None
         return kv
-
-    def save_block(self, block: int, kv: list[KV]) -> None:
-        p, g = self.plan, self.geom
-        if p.wb is None:
-            return
-        bs, fb = g.block_size, g.full_block_bytes
-        j = len(self.stats.written_blocks)
-        slot = self.wb_off + j * fb
-        staging = torch.from_numpy(self.hbm[slot:slot + fb]).view(g.full_block_shape)
-        build_full_block([(k[block * bs:(block + 1) * bs], v[block * bs:(block + 1) * bs]) for k, v in kv], g,
-                         out=staging)
-        self.writes.append(self.agent.post("WRITE", p.wb.peer, "hbm", p.wb.region, [(slot, p.wb.offset + j * fb, fb)],
-                                           layer=f"wb{block}", notif=f"{p.request}/wb{block}"))  # the host agent persists on it
-        self.stats.written_blocks.append(block)
-        self.stats.block_crcs.append(crc(staging.numpy()))
-        self.stats.written_bytes += fb
-
-    def poll_save(self) -> bool:
-        self.writes = [x for x in self.writes if not x.poll()]
-        return not self.writes
-
-    def close(self) -> None:
-        for off in (self.off, self.wb_off):
-            if off is not None:
-                self.alloc.free(off)
-        self.off = self.wb_off = None
 
 
 class SimpleConnectors(ConnectorPlugin):
