@@ -352,22 +352,7 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
     run_dir.mkdir(parents=True, exist_ok=True)
     command = " ".join(["dualpath", *sys.argv[1:]])
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")
-    from testbed.report import bench_lines
-
-    if what == "burst":
-        from testbed.benches.burst import burst_lines
-
-        lines = burst_lines(res)
-    elif what == "ucx-perftest":
-        from testbed.benches.ucx_perftest import lines as perftest_lines
-
-        lines = perftest_lines(res)
-    elif mooncake:
-        from testbed.benches.transport_mooncake import lines as mooncake_lines
-
-        lines = mooncake_lines(res)
-    else:
-        lines = bench_lines(what, res)
+    lines = _bench_lines(what, res, mooncake)
     (run_dir / "report.md").write_text(f"# dualpath bench {what}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(lines) + "\n```\n")
     for line in lines:
@@ -375,6 +360,25 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
     typer.echo(f"results: {run_dir}/summary.json, report.md")
     if transport == "rdma" and not res.get("rdma_proven"):
         _fail(res.get("error") or "the rxe counters do not prove that RDMA carried the bytes", code=1)
+
+
+def _bench_lines(what: str, res: dict, mooncake: bool) -> list[str]:
+    """A bench's report, in the words of the module that ran it."""
+    if what == "burst":
+        from testbed.benches.burst import burst_lines
+
+        return burst_lines(res)
+    if what == "ucx-perftest":
+        from testbed.benches.ucx_perftest import lines
+
+        return lines(res)
+    if mooncake:
+        from testbed.benches.transport_mooncake import lines
+
+        return lines(res)
+    from testbed.report import bench_lines
+
+    return bench_lines(what, res)
 
 
 @app.command("profile")

@@ -377,83 +377,7 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                            "modes": {}}
     k = clock.dilation
     for res in results:
-        ok = [r for r in res.records if not r.error]
-        lat = [token_latencies(r.t_arrive, r.token_times) for r in ok if r.token_times]
-        hit = sum(r.n_hit for r in ok)
-        prompt = sum(r.n_prompt for r in ok)
-        resent = res.counters.kv_resent
-        per_nic = _per_nic(res.accounting, resent)
-        snic_rx = [v for (owner, kind, d), v in res.counters.kv_payload.items() if kind == "snic" and d == "rx"]
-        pe_att: dict[str, float] = {}
-        for r in ok:
-            pe_att[r.pe] = pe_att.get(r.pe, 0.0) + r.attention_s
-        acc_bad = [r for r in per_nic if not r["ok"]]
-        peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
-        out["modes"][res.mode] = {
-            "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
-            "fidelity_notes": res.fidelity_notes,
-            "requests": len(res.records), "errors": len(res.records) - len(ok),
-            "first_error": next(({"request": r.request, "error": " ".join(str(r.error).split())[:300]}
-                                 for r in res.records if r.error), None),
-            "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
-            # per agent, arrival to its last turn's end: the online figures' JCT (offline, all arrive at once)
-            "agent_jct_s": {"mean": round(sum(res.agent_jct_s) / len(res.agent_jct_s) / k, 4) if res.agent_jct_s else None,
-                            **percentiles(res.agent_jct_s, scale=1 / k)},
-            "ttft_s": percentiles((x["ttft"] for x in lat), scale=1 / k),
-            "ttst_s": percentiles((x["ttst"] for x in lat), scale=1 / k),
-            "tpot_s": percentiles((x["tpot"] for x in lat), scale=1 / k),
-            "hit_rate": round(hit / prompt, 4) if prompt else 0,
-            "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
-            # the classes that moved KV, as the engines report them: a plug-in shows here by name
-            "connectors": {side: sorted({r.connectors[i] for r in ok if r.connectors[i]})
-                           for i, side in enumerate(("prefill", "decode"))},
-            "verification": res.verdicts,
-            **({"rdma": res.rdma} if res.rdma is not None else {}),
-            "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
-                                          "mean": round(sum(peaks) / len(peaks), 2) if peaks else 0},
-            "kv_bytes_vs_expected": {
-                "tolerance": TOLERANCE, "nics": len(per_nic), "within": len(per_nic) - len(acc_bad),
-                "per_nic": per_nic,
-                # measured: first sends only; resent: what TCP sent again, taken off the HTB count
-                "per_direction": [{"nic": "/".join(row.nic), "dir": row.direction, "expected": row.expected,
-                                   "measured": row.measured, "overhead": row.measured - row.expected,
-                                   "resent": resent.get((*row.nic, row.direction), 0)}
-                                  for row in res.accounting]},
-            "control_bytes": {"model_class_on_nics": sum(res.counters.model_wire.values()),
-                              "messages_at_conductor": res.control_app_bytes},
-            "drops": sum(res.counters.drops.values()),
-            # segments sent again, per namespace: each one's bytes are in the HTB counters twice
-            "tcp_retransmitted_segments": {ns: n for ns, n in sorted(res.counters.retransmitted.items()) if n},
-            "reread_bytes": sum(r.reread_bytes for r in ok),
-            # a mode that reads nothing (oracle) has no balance: its SNICs' payload is noise around 0
-            "snic_max_over_avg": (round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3)
-                                  if sum(snic_rx) > 0 and any(r.path != "none" for r in ok) else None),
-            "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
-                                       if pe_att and sum(pe_att.values()) else None),
-            # per forward step across PEs: while loaded (the target), by wall time, and every step
-            "forward_attention_max_over_avg": forward_balance(res.batches),
-            "forward_attention_wall_max_over_avg": forward_balance(res.batches, "attention_wall_s"),
-            "forward_attention_all_steps": forward_balance(res.batches, loaded_only=False),
-            "forward_batches": len(res.batches),
-            "chunked_requests": sum(r.passes > 1 for r in ok),
-            "retried_requests": sum(r.attempts > 1 for r in res.records),
-            "scheduler": res.scheduler,
-            "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
-            "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
-            # the testbed's processes; the rest of cpu_busy is the kernel's NIC emulation (softirq)
-            # and whatever else ran on the machine
-            "cpu_testbed_processes": round(res.cpu_own, 3),
-            "cpu_steal": round(res.cpu_steal, 3),
-            "fidelity": {"prefill_passes": len(res.batches),
-                         "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
-                         "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),
-                         "mean_decode_batch": round(sum(x["n"] for x in res.steps) / len(res.steps), 2) if res.steps else None,
-                         "late_testbed_s": round(late := sum(b["timing"]["late_s"] for b in res.batches)
-                                                 + sum(x["late_s"] for x in res.steps), 4),
-                         "late_share_of_jct": round(late / res.jct_s, 5) if res.jct_s else None,
-                         "storage_nics": [u.to_dict() for u in res.links],
-                         "cpu_by_thread": res.cpu_threads},
-        }
+        out["modes"][res.mode] = _mode_summary(res, geom, k)
         coll = collective_stats(res.batches, res.steps, k)
         if coll is not None:  # only a topology with `collectives: on` has this block
             coll["model_class_tx_bytes"] = sum(v[MODEL.name][0] for v in res.dscp.values())
@@ -476,6 +400,87 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                        "kv_bytes": sum(p["kv_bytes"] for p in proofs),
                        "rdma_mtu": None, "modes": [r.mode for r in results if r.rdma is not None]}
     return out
+
+
+def _mode_summary(res: ModeResult, geom: BlockGeometry, k: float) -> dict[str, Any]:
+    """One mode's block of summary.json (times in emulated seconds: testbed seconds / k)."""
+    ok = [r for r in res.records if not r.error]
+    lat = [token_latencies(r.t_arrive, r.token_times) for r in ok if r.token_times]
+    hit = sum(r.n_hit for r in ok)
+    prompt = sum(r.n_prompt for r in ok)
+    resent = res.counters.kv_resent
+    per_nic = _per_nic(res.accounting, resent)
+    snic_rx = [v for (owner, kind, d), v in res.counters.kv_payload.items() if kind == "snic" and d == "rx"]
+    pe_att: dict[str, float] = {}
+    for r in ok:
+        pe_att[r.pe] = pe_att.get(r.pe, 0.0) + r.attention_s
+    acc_bad = [r for r in per_nic if not r["ok"]]
+    peaks = [r.peak_hit_bytes / (kv_bytes(geom, r.n_hit) // geom.n_layer) for r in ok if r.n_hit and r.peak_hit_bytes]
+    return {
+        "faithful": res.faithful, "unfaithful_reasons": res.unfaithful_reasons,
+        "fidelity_notes": res.fidelity_notes,
+        "requests": len(res.records), "errors": len(res.records) - len(ok),
+        "first_error": next(({"request": r.request, "error": " ".join(str(r.error).split())[:300]}
+                             for r in res.records if r.error), None),
+        "jct_s": round(res.jct_s / k, 4), "jct_testbed_s": round(res.jct_s, 3),
+        # per agent, arrival to its last turn's end: the online figures' JCT (offline, all arrive at once)
+        "agent_jct_s": {"mean": round(sum(res.agent_jct_s) / len(res.agent_jct_s) / k, 4) if res.agent_jct_s else None,
+                        **percentiles(res.agent_jct_s, scale=1 / k)},
+        "ttft_s": percentiles((x["ttft"] for x in lat), scale=1 / k),
+        "ttst_s": percentiles((x["ttst"] for x in lat), scale=1 / k),
+        "tpot_s": percentiles((x["tpot"] for x in lat), scale=1 / k),
+        "hit_rate": round(hit / prompt, 4) if prompt else 0,
+        "paths": {p: sum(r.path == p for r in ok) for p in ("pe", "de", "split", "none")},
+        # the classes that moved KV, as the engines report them: a plug-in shows here by name
+        "connectors": {side: sorted({r.connectors[i] for r in ok if r.connectors[i]})
+                       for i, side in enumerate(("prefill", "decode"))},
+        "verification": res.verdicts,
+        **({"rdma": res.rdma} if res.rdma is not None else {}),
+        "peak_hit_kv_layers_in_hbm": {"max": round(max(peaks), 2) if peaks else 0,
+                                      "mean": round(sum(peaks) / len(peaks), 2) if peaks else 0},
+        "kv_bytes_vs_expected": {
+            "tolerance": TOLERANCE, "nics": len(per_nic), "within": len(per_nic) - len(acc_bad),
+            "per_nic": per_nic,
+            # measured: first sends only; resent: what TCP sent again, taken off the HTB count
+            "per_direction": [{"nic": "/".join(row.nic), "dir": row.direction, "expected": row.expected,
+                               "measured": row.measured, "overhead": row.measured - row.expected,
+                               "resent": resent.get((*row.nic, row.direction), 0)}
+                              for row in res.accounting]},
+        "control_bytes": {"model_class_on_nics": sum(res.counters.model_wire.values()),
+                          "messages_at_conductor": res.control_app_bytes},
+        "drops": sum(res.counters.drops.values()),
+        # segments sent again, per namespace: each one's bytes are in the HTB counters twice
+        "tcp_retransmitted_segments": {ns: n for ns, n in sorted(res.counters.retransmitted.items()) if n},
+        "reread_bytes": sum(r.reread_bytes for r in ok),
+        # a mode that reads nothing (oracle) has no balance: its SNICs' payload is noise around 0
+        "snic_max_over_avg": (round(max(snic_rx) / (sum(snic_rx) / len(snic_rx)), 3)
+                              if sum(snic_rx) > 0 and any(r.path != "none" for r in ok) else None),
+        "attention_max_over_avg": (round(max(pe_att.values()) / (sum(pe_att.values()) / len(pe_att)), 3)
+                                   if pe_att and sum(pe_att.values()) else None),
+        # per forward step across PEs: while loaded (the target), by wall time, and every step
+        "forward_attention_max_over_avg": forward_balance(res.batches),
+        "forward_attention_wall_max_over_avg": forward_balance(res.batches, "attention_wall_s"),
+        "forward_attention_all_steps": forward_balance(res.batches, loaded_only=False),
+        "forward_batches": len(res.batches),
+        "chunked_requests": sum(r.passes > 1 for r in ok),
+        "retried_requests": sum(r.attempts > 1 for r in res.records),
+        "scheduler": res.scheduler,
+        "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
+        "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
+        # the testbed's processes; the rest of cpu_busy is the kernel's NIC emulation (softirq)
+        # and whatever else ran on the machine
+        "cpu_testbed_processes": round(res.cpu_own, 3),
+        "cpu_steal": round(res.cpu_steal, 3),
+        "fidelity": {"prefill_passes": len(res.batches),
+                     "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
+                     "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),
+                     "mean_decode_batch": round(sum(x["n"] for x in res.steps) / len(res.steps), 2) if res.steps else None,
+                     "late_testbed_s": round(late := sum(b["timing"]["late_s"] for b in res.batches)
+                                             + sum(x["late_s"] for x in res.steps), 4),
+                     "late_share_of_jct": round(late / res.jct_s, 5) if res.jct_s else None,
+                     "storage_nics": [u.to_dict() for u in res.links],
+                     "cpu_by_thread": res.cpu_threads},
+    }
 
 
 def _per_nic(rows, resent: dict[tuple[str, str, str], int]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ engine fits its cost model on its own prefill loop at start.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ from dualpath.control import RpcServer
 ENGINE_NICE = -10  # CFS weight ~10x a default process while both want the CPU
 
 
-def main() -> None:
+def _parse_args() -> "argparse.Namespace":
     ap = base_args(__doc__)
     ap.add_argument("--role", required=True, choices=["prefill", "decode"])
     ap.add_argument("--checkpoint", required=True)
@@ -44,18 +45,15 @@ def main() -> None:
     ap.add_argument("--connector", default="", help="MODULE:CLASS of a ConnectorPlugin (dualpath/kv/plugin.py); "
                     "empty: the built-in connectors")
     ap.add_argument("--connector-path", default="", help="a folder to import the connector's module from")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
     exit_on_sigterm()
     auth = run_auth()
     if args.timing:
-        # The engine stands for a GPU: its compute must not queue behind the emulation of NICs,
-        # storage and control that shares these two cores (a pass that waits for the CPU overruns
-        # its emulated window). It holds most of the time, so a higher priority costs the others
-        # little. Needs root, which the testbed has; without it the run only risks overruns.
-        try:
-            os.nice(ENGINE_NICE)
-        except OSError:
-            pass
+        _prioritize()
 
     import torch
 
@@ -71,14 +69,7 @@ def main() -> None:
         device = resolve_device(args.device)
     except DeviceError as e:
         sys.exit(f"{args.name}: --device: {e}")
-    plugin = None
-    if args.connector:  # before the model loads: a plug-in that cannot load fails the start at once
-        from dualpath.kv.plugin import ConnectorError, load_plugin
-
-        try:
-            plugin = load_plugin(*args.connector.split(":"), args.connector_path or None)
-        except ConnectorError as e:
-            sys.exit(f"{args.name}: {e}")
+    plugin = _load_plugin(args)  # before the model loads: a plug-in that cannot load fails the start at once
     model = Transformer.from_pretrained(args.checkpoint, device=device)
     # One throwaway pass and step before serving: the first call of each kernel shape allocates
     # and builds tables, and on an emulated clock that one-time cost would overrun a real pass.
@@ -126,15 +117,8 @@ def main() -> None:
         handlers, hello = prefill_handlers(model, agent, hbm, alloc, geom, load, clock, cost, collective, plugin)
         server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                            {**wiring_handlers(agent, hello), **common, **handlers}, auth=auth)
-        freeze_startup_heap()
-        print(f"ready {args.name} {agent.transport_in_use}", flush=True)
-        try:
-            # no progress thread here: progress when idle, so peers' endpoints settle
-            server.serve(idle=agent.progress)
-        finally:
-            agent.close()
-            if responder is not None:
-                responder.terminate()
+        # no progress thread here: progress when idle, so peers' endpoints settle
+        _serve(args.name, agent, lambda: server.serve(idle=agent.progress), responder)
     else:
         from dualpath.nodes.decode_service import DecodeService
 
@@ -144,14 +128,42 @@ def main() -> None:
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
                                 handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth,
                                 plugin=plugin)
-        freeze_startup_heap()
-        print(f"ready {args.name} {agent.transport_in_use}", flush=True)
-        try:
-            service.serve()
-        finally:
-            agent.close()
-            if responder is not None:
-                responder.terminate()
+        _serve(args.name, agent, service.serve, responder)
+
+
+def _prioritize() -> None:
+    """The engine stands for a GPU: its compute must not queue behind the emulation of NICs,
+    storage and control that shares these two cores (a pass that waits for the CPU overruns its
+    emulated window). It holds most of the time, so a higher priority costs the others little.
+    Needs root, which the testbed has; without it the run only risks overruns."""
+    try:
+        os.nice(ENGINE_NICE)
+    except OSError:
+        pass
+
+
+def _load_plugin(args: "argparse.Namespace"):
+    """The run's ConnectorPlugin (dualpath/kv/plugin.py), or None; exits in one line if it cannot load."""
+    if not args.connector:
+        return None
+    from dualpath.kv.plugin import ConnectorError, load_plugin
+
+    try:
+        return load_plugin(*args.connector.split(":"), args.connector_path or None)
+    except ConnectorError as e:
+        sys.exit(f"{args.name}: {e}")
+
+
+def _serve(name: str, agent, serve, responder: subprocess.Popen | None) -> None:
+    """Say ready, serve until shut down, then close the agent and the collective responder."""
+    freeze_startup_heap()
+    print(f"ready {name} {agent.transport_in_use}", flush=True)
+    try:
+        serve()
+    finally:
+        agent.close()
+        if responder is not None:
+            responder.terminate()
 
 
 def _start_responder(ip: str, cfg) -> subprocess.Popen:
