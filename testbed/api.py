@@ -213,8 +213,7 @@ class Testbed:
 
     def _start_services(self) -> None:
         from testbed.cluster import CONTROL_PORT, Cluster
-        from testbed.runclock import run_geometry
-        from testbed.runclock import RunClock
+        from testbed.runclock import RunClock, run_geometry
 
         ckpt = self._checkpoint()
         geom = run_geometry(ckpt)

@@ -779,8 +779,8 @@ def _sim_workload(wopts, own_scale: bool, seed: int, trajectories: int, first_tu
 
 def _connector(spec: Optional[str], t, topology: Optional[Path], modes: tuple[str, ...]):
     """--connector (else the topology's `connector:`) loaded and checked here, before anything is
-    brought up: (ConnectorRef, plugin class, the modes that run it), or None. One line and exit 2 if it cannot run."""
-    from dualpath.kv.plugin import ConnectorError, resolve
+    brought up: (ConnectorRef, what summary.json records of it), or None. One line and exit 2 if it cannot run."""
+    from dualpath.kv.plugin import ConnectorError, describe, resolve
     from testbed.modes import connector_of
 
     base = None
@@ -800,7 +800,7 @@ def _connector(spec: Optional[str], t, topology: Optional[Path], modes: tuple[st
     typer.echo(f"connector: {spec} (contract v{plugin.contract_version}; prefill "
                f"{plugin.prefill.__name__ if plugin.prefill else 'built-in'}, decode "
                f"{plugin.decode.__name__ if plugin.decode else 'built-in'}) in modes {','.join(used)}")
-    return ref, plugin, used
+    return ref, {**describe(plugin, spec), "modes": used}
 
 
 def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out: Path,
@@ -942,7 +942,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
-    plugin = _connector(connector, t, topology, mode_list)
+    plugin = _connector(connector, t, topology, mode_list)  # (ConnectorRef, its summary) or None
     if wopts is None:
         wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)
     else:
@@ -971,9 +971,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
                + (f"; real text: scripted coding-agent conversations in the model's chat template, greedy, "
                   f"{'/'.join(map(str, gens))} tokens generated per turn" if text else ""))
     if plugin is not None:
-        from dualpath.kv.plugin import describe
-
-        extra["connector"] = {**describe(plugin[1], plugin[0].spec), "modes": plugin[2]}
+        extra["connector"] = plugin[1]
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
                             faults=tuple(specs), device=device, connector=plugin[0] if plugin else None)
     for line in e2e_lines(summary):

@@ -186,8 +186,8 @@ def test_the_topology_names_a_connector_relative_to_its_folder(tmp_path, capsys)
     (tmp_path / "conns").mkdir()
     plugin_file(tmp_path / "conns", "class P(ConnectorPlugin):\n    prefill = LayerwiseConnector\n", "mine.py")
     t = load_topology(tmp_path / "t.yaml")
-    ref, plugin, used = cli._connector(None, t, tmp_path / "t.yaml", ("basic", "dualpath", "oracle"))
-    assert ref.path == tmp_path / "conns" and used == ["dualpath"]
+    ref, info = cli._connector(None, t, tmp_path / "t.yaml", ("basic", "dualpath", "oracle"))
+    assert ref.path == tmp_path / "conns" and info["modes"] == ["dualpath"]
     assert "connector: conns/mine.py:P (contract v1; prefill LayerwiseConnector, decode built-in)" in capsys.readouterr().out
     with pytest.raises(typer.Exit) as e:  # no mode runs a prefill-only plug-in
         cli._connector(None, t, tmp_path / "t.yaml", ("basic", "oracle"))

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ IPERF_SECONDS = 3.0
 IPERF_PORT = 5233
 TRANSFER_S = 1.0  # each transfer lasts about this long at the shaped rate
 BENCH_SECONDS = 4  # transfer_engine_bench's --duration
+HELLO_TIMEOUT_S = 60.0  # the target's engine start and memory registration
 CLASS = "kv"
 
 
@@ -78,8 +80,6 @@ def run_target(ip: str, size: int, max_s: float) -> None:
         raise RuntimeError("register_memory failed")
     print(json.dumps({"session": f"{ip}:{te.get_rpc_port()}", "addr": buf.ctypes.data,
                       "sha256": hashlib.sha256(buf.tobytes()).hexdigest()}), flush=True)
-    import select
-
     select.select([sys.stdin], [], [], max_s)  # the harness closes stdin when it is done
 
 
@@ -113,7 +113,8 @@ def _pair(fab, size: int, reps: int) -> dict[str, Any]:
                                                    "--size", str(size)]),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        hello = json.loads(target.stdout.readline() or "{}")
+        ready, _, _ = select.select([target.stdout], [], [], HELLO_TIMEOUT_S)  # bounded: a stuck start fails
+        hello = json.loads(target.stdout.readline() or "{}") if ready else {}
         if "session" not in hello:
             raise RuntimeError("the Mooncake target did not start (see `dualpath exec d0e0 --python -- -m "
                                "testbed.benches.transport_mooncake --role target ...`)")
