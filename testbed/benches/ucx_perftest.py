@@ -53,7 +53,9 @@ def parse_final(out: str) -> float:
     it the one labelled `Final:`): iterations, three overheads, then average and overall MB/s."""
     for line in reversed(out.splitlines()):
         fields = line.strip().removeprefix("Final:").split()
-        if len(fields) >= 6 and all(re.fullmatch(r"[-+]?\d+(?:\.\d+)?", f) for f in fields):
+        # a latency column may read inf (a percentile over too few samples): only bandwidth must be a number
+        if len(fields) >= 6 and all(re.fullmatch(r"[-+]?(?:\d+(?:\.\d+)?|inf|nan)", f) for f in fields) \
+                and re.fullmatch(r"\d+(?:\.\d+)?", fields[5]):
             return float(fields[5]) * MB
     raise RuntimeError(f"ucx_perftest printed no final row: {out[-300:]!r}")
 
