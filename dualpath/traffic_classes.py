@@ -31,8 +31,11 @@ MODEL = TrafficClass(name="model", dscp=46, htb_prio=0, weight=240)  # EF
 KV = TrafficClass(name="kv", dscp=10, htb_prio=1, weight=15)  # AF11
 CLASSES = (MODEL, KV)
 
-# Listening ports of kv-class transport agents; nftables marks them AF11.
-KV_PORT_RANGE = (42000, 42999)
+# Listening ports of kv-class transport agents; nftables marks them AF11. Below Linux's ephemeral
+# range (32768-60999), so the kernel never hands them out as source ports, and so that Mooncake's
+# transfer engine accepts them (it refuses a port range inside the ephemeral one and falls back to
+# 15000-17000, unmarked). It was 42000-42999 until Mooncake came in.
+KV_PORT_RANGE = (22000, 22999)
 
 # A user's program in a class (`dualpath exec NODE --class C`): it runs with this group as its
 # real and effective gid, and nftables in every node namespace marks each packet its sockets send

@@ -77,9 +77,19 @@ def _fabric(topo, kind: str, transport: str = "tcp"):
     return claimed_fabric(topo, transport, owner_kind=kind)
 
 
-def _transport_opt(transport: str) -> str:
-    if transport not in ("tcp", "rdma"):
-        _fail(f"--transport: {transport!r} is not tcp or rdma")
+def _transport_opt(transport: str, mooncake: bool = False) -> str:
+    """The --transport value, checked: tcp or rdma (NIXL over UCX), or, where `mooncake`, Mooncake's
+    transfer engine, whose wheel must be installed (one line naming it, otherwise)."""
+    choices = ("tcp", "rdma", "mooncake") if mooncake else ("tcp", "rdma")
+    if transport not in choices:
+        _fail(f"--transport: {transport!r} is not {', '.join(choices[:-1])} or {choices[-1]}")
+    if transport == "mooncake":
+        from dualpath.transport.mooncake import MissingMooncake, need_mooncake
+
+        try:
+            need_mooncake()
+        except MissingMooncake as e:
+            _fail(str(e))
     return transport
 
 
@@ -311,18 +321,11 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
             need_tool()
         except MissingTool as e:
             _fail(str(e))
-    mooncake = transport == "mooncake"
+    mooncake = _transport_opt(transport, mooncake=True) == "mooncake"
     if mooncake:
-        from testbed.benches.transport_mooncake import MissingMooncake, need_mooncake
-
         if what != "transport":
             _fail("bench: --transport mooncake applies to `bench transport` only")
-        try:
-            need_mooncake()
-        except MissingMooncake as e:
-            _fail(str(e))
         transport = "tcp"  # the fabric's own; Mooncake brings its TCP transport
-    _transport_opt(transport)
     if transport == "rdma" and what != "transport":
         _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
     _need_root()
@@ -440,7 +443,9 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             hosts: Optional[str] = typer.Option(None, help="override the topology's hosts: namespaces (Mininet "
                                                 "hosts) or docker (a container per namespace, testbed/containers.py)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
-            transport: str = typer.Option("tcp", help="tcp, or rdma (fails loudly where the kernel has none)"),
+            transport: str = typer.Option("tcp", help="the KV transport: tcp or rdma (NIXL over UCX; rdma fails "
+                                          "loudly where the kernel has none), or mooncake (Mooncake's transfer "
+                                          "engine over TCP, in the kv class)"),
             device: str = typer.Option("cpu", help="where the engines compute: cpu, or cuda (the model and its "
                                        "KV in GPU memory; needs a GPU that torch sees)"),
             quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass "
@@ -468,7 +473,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
     wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
                               trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
     _need_root()
-    _transport_opt(transport)
+    _transport_opt(transport, mooncake=True)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
              max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts, connector=connector)

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from dualpath.accounting import RequestBytes, compare, expected_totals, request_bytes
 from dualpath.kv.spans import kv_bytes
@@ -317,6 +317,18 @@ def _tally(res: ModeResult, verdicts: dict[int, Any]) -> dict[str, Any]:
             "first_mismatch": first["request"] if first else None, "first_failed_check": first}
 
 
+def fabric_transport(transport: str) -> str:
+    """What the fabric must offer for a KV transport: rxe devices for rdma, plain TCP otherwise
+    (Mooncake's transfer engine brings its own TCP transport)."""
+    return "rdma" if transport == "rdma" else "tcp"
+
+
+def transport_label(in_use: Iterable[str]) -> str:
+    """How the report names what the node processes said they use ("ucx/tcp via eth0", ...)."""
+    kinds = sorted({t.split(" via ")[0] for t in in_use})
+    return ", ".join(f"NIXL {k}" if k.startswith("ucx/") else k for k in kinds)
+
+
 def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, modes: tuple[str, ...] = MODES,
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
             progress: Callable[[str], None] = print, transport: str = "tcp",
@@ -352,7 +364,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
         r = results[-1]
         progress(f"    {mode}: {'FAITHFUL' if r.faithful else 'UNFAITHFUL'}, JCT {clock.to_emulated(r.jct_s):.2f} s "
                  f"emulated ({r.jct_s:.1f} s here), CPU busy {r.cpu_busy:.0%}")
-        r.transport = "NIXL " + ", ".join(sorted({t.split(" via ")[0] for t in cluster.transports.values()}))
+        r.transport = transport_label(cluster.transports.values())
 
     if not faults:
         with cluster_for(run_dir) as cluster:
@@ -621,7 +633,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent,  # what nodes read and write
               *((connector.path,) if connector is not None and not connector.path.is_relative_to(REPO) else ()))
     # (a plug-in outside the repository: docker nodes, which see the repository, import it from there)
-    with claimed_fabric(topo, transport, shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+    with claimed_fabric(topo, fabric_transport(transport), shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,

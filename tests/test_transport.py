@@ -56,12 +56,12 @@ def test_env_model_class_stays_out_of_kv_range():
     env = build_ucx_env("eth9", "model", "tcp", base={})
     assert env["UCX_TCP_PORT_RANGE"] == f"{MODEL_PORT_RANGE[0]}-{MODEL_PORT_RANGE[1]}"
     with pytest.raises(UcxEnvError, match="overlaps the kv port range"):
-        build_ucx_env("eth9", "model", "tcp", base={"UCX_TCP_PORT_RANGE": "42000-42100"})
+        build_ucx_env("eth9", "model", "tcp", base={"UCX_TCP_PORT_RANGE": "22000-22100"})
 
 
 def test_env_sub_range_per_agent():
-    env = build_ucx_env("eth9", "kv", "tcp", port_range=(42100, 42199), base={})
-    assert env["UCX_TCP_PORT_RANGE"] == "42100-42199"
+    env = build_ucx_env("eth9", "kv", "tcp", port_range=(22100, 22199), base={})
+    assert env["UCX_TCP_PORT_RANGE"] == "22100-22199"
     with pytest.raises(UcxEnvError, match="not inside the kv port range"):
         build_ucx_env("eth9", "kv", "tcp", port_range=(41000, 41999), base={})
 
@@ -92,8 +92,8 @@ def test_env_rejects_contradictions():
     # matching values are fine, and tuning passes through
     env = build_ucx_env("eth9", "kv", "tcp", tuning={"UCX_TCP_SNDBUF": "4m"},
                         base={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth9", "UCX_MODULES": "^ib",
-                              "UCX_TCP_PORT_RANGE": "42010-42019"})
-    assert env["UCX_TCP_PORT_RANGE"] == "42010-42019" and env["UCX_TCP_SNDBUF"] == "4m"
+                              "UCX_TCP_PORT_RANGE": "22010-22019"})
+    assert env["UCX_TCP_PORT_RANGE"] == "22010-22019" and env["UCX_TCP_SNDBUF"] == "4m"
 
 
 @pytest.mark.skipif(bool(rdma_devices()), reason="this kernel has RDMA devices")
@@ -144,8 +144,8 @@ def restore_env():
 def lo_pair(restore_env):
     for k in [k for k in os.environ if k.startswith("UCX_")]:
         del os.environ[k]
-    a = Agent("lo-a", "lo", port_range=(42900, 42949), timeout_s=20)
-    b = Agent("lo-b", "lo", port_range=(42950, 42999), timeout_s=20)
+    a = Agent("lo-a", "lo", port_range=(22900, 22949), timeout_s=20)
+    b = Agent("lo-b", "lo", port_range=(22950, 22999), timeout_s=20)
     yield a, b
     a.close()
     b.close()
@@ -221,9 +221,9 @@ def mc_pair(restore_env):
         del os.environ[k]
     # Loopback in this namespace: ephemeral ports are not reserved here, and no marking
     # happens on lo anyway; the namespace test below checks the marks.
-    a = MultiClassAgent("mc-a", "lo", port_ranges={"kv": (42800, 42849), "model": (43800, 43849)},
+    a = MultiClassAgent("mc-a", "lo", port_ranges={"kv": (22800, 22849), "model": (43800, 43849)},
                         progress_thread=False, timeout_s=20, require_reserved_ports=False)
-    b = MultiClassAgent("mc-b", "lo", port_ranges={"kv": (42850, 42899), "model": (43850, 43899)},
+    b = MultiClassAgent("mc-b", "lo", port_ranges={"kv": (22850, 22899), "model": (43850, 43899)},
                         timeout_s=20, require_reserved_ports=False)
     yield a, b
     a.close()
@@ -236,7 +236,7 @@ def test_multiclass_loopback_routes_by_class(mc_pair):
     assert a.agent("model").name == "mc-a@model"
     # one UCX context per class, each listening in its own class's port range
     ports = _listening_ports()
-    for lo, hi in ((42800, 42849), (43800, 43849), (42850, 42899), (43850, 43899)):
+    for lo, hi in ((22800, 22849), (43800, 43849), (22850, 22899), (43850, 43899)):
         assert any(lo <= p <= hi for p in ports), (lo, hi, sorted(ports))
     n = 1 << 20
     src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
@@ -276,7 +276,7 @@ def test_multiclass_loopback_routes_by_class(mc_pair):
 
 def test_multiclass_interoperates_with_a_plain_kv_agent(mc_pair):
     _, b = mc_pair
-    c = Agent("plain-c", "lo", "kv", port_range=(42750, 42799), timeout_s=20)
+    c = Agent("plain-c", "lo", "kv", port_range=(22750, 22799), timeout_s=20)
     try:
         n = 1 << 16
         dst = np.zeros(n, dtype=np.uint8)
@@ -299,17 +299,20 @@ def test_multiclass_interoperates_with_a_plain_kv_agent(mc_pair):
 def test_multiclass_refuses_what_would_mismark(restore_env, tmp_path):
     for k in [k for k in os.environ if k.startswith("UCX_")]:
         del os.environ[k]
-    f = tmp_path / "reserved"
-    for text, ok in (("42000-42999", True), ("41000-42500,42501-43000\n", True), ("", False),
-                     ("42000-42998", False), ("42001-42999", False), ("42000,42001-42999", True)):
+    f, local = tmp_path / "reserved", tmp_path / "local_range"
+    local.write_text("20000\t60999\n")  # ephemeral ports that include the kv range
+    for text, ok in (("22000-22999", True), ("21000-22500,22501-23000\n", True), ("", False),
+                     ("22000-22998", False), ("22001-22999", False), ("22000,22001-22999", True)):
         f.write_text(text)
-        assert kv_ports_reserved(str(f)) is ok, text
-    os.environ["UCX_TCP_PORT_RANGE"] = "42000-42099"
+        assert kv_ports_reserved(str(f), str(local)) is ok, text
+    local.write_text("32768\t60999\n")  # Linux's default: the kv range lies below it
+    assert kv_ports_reserved(str(f), str(local)) is True
+    os.environ["UCX_TCP_PORT_RANGE"] = "22000-22099"
     with pytest.raises(UcxEnvError, match="one port range per class"):
         MultiClassAgent("mc-bad", "lo", require_reserved_ports=False)
     del os.environ["UCX_TCP_PORT_RANGE"]
     if not kv_ports_reserved():
-        with pytest.raises(UcxEnvError, match="ip_local_reserved_ports=42000-42999"):
+        with pytest.raises(UcxEnvError, match="ip_local_reserved_ports=22000-22999"):
             MultiClassAgent("mc-unreserved", "lo")
 
 

@@ -70,22 +70,28 @@ def base_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--iface", required=True, help="the only interface its KV bytes may use")
     ap.add_argument("--ip", required=True, help="address to serve control on")
     ap.add_argument("--control-port", type=int, default=5555)
-    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"])
-    ap.add_argument("--port-range", default=None, help="kv listening sub-range, e.g. 42000-42099")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma", "mooncake"],
+                    help="NIXL over UCX's tcp or rdma, or Mooncake's transfer engine (its TCP)")
+    ap.add_argument("--port-range", default=None, help="kv listening sub-range, e.g. 22000-22099")
     return ap
 
 
 def make_agent(args, region: str, nbytes: int, kind: str, buf: np.ndarray | None = None):
-    """A kv-class NIXL agent on `args.iface` with one registered region of `nbytes` (`buf`,
-    or zeros)."""
+    """A kv-class transport agent (NIXL, or Mooncake's) on `args.iface` with one registered
+    region of `nbytes` (`buf`, or zeros)."""
     from dualpath.transport import Agent
     from dualpath.transport.env import parse_port_range
 
     rng = parse_port_range(args.port_range) if args.port_range else None
-    # A host agent is a passive target: NIXL's progress thread serves its peers. An engine
-    # polls its own transfers; a second thread there would only contend for UCX's lock.
-    agent = Agent(args.name, args.iface, "kv", args.transport, port_range=rng,
-                  progress_thread=(kind == "dram"))
+    if args.transport == "mooncake":
+        from dualpath.transport.mooncake import MooncakeAgent
+
+        agent = MooncakeAgent(args.name, args.iface, "kv", port_range=rng)
+    else:
+        # A host agent is a passive target: NIXL's progress thread serves its peers. An engine
+        # polls its own transfers; a second thread there would only contend for UCX's lock.
+        agent = Agent(args.name, args.iface, "kv", args.transport, port_range=rng,
+                      progress_thread=(kind == "dram"))
     if buf is None:
         buf = np.zeros(nbytes, dtype=np.uint8)  # calloc: pages appear as they are touched
     agent.register(region, buf, kind=kind)

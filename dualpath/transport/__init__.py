@@ -1,4 +1,5 @@
-"""KV data plane: NIXL over UCX (TCP here), with the UCX environment asserted at start-up.
+"""KV data plane: NIXL over UCX (TCP here), with the UCX environment asserted at start-up, or
+Mooncake's transfer engine behind the same interface (mooncake.py, `--transport mooncake`).
 
 See agent.py (Agent, regions, READ/WRITE of descriptor lists, notifications), multiclass.py
 (MultiClassAgent: a traffic class chosen per transfer, one Agent per class because UCX over
@@ -10,6 +11,7 @@ from .agent import (
     DEFAULT_TIMEOUT_S,
     Agent,
     Region,
+    TransportAgent,
     Transfer,
     TransferFailed,
     TransferStats,
@@ -30,7 +32,7 @@ from .env import (
 from .multiclass import MultiClassAgent, class_agent_name, kv_ports_reserved
 
 __all__ = [
-    "Agent", "Region", "Transfer", "TransferStats", "TransferFailed", "TransferTimeout",
+    "Agent", "TransportAgent", "Region", "Transfer", "TransferStats", "TransferFailed", "TransferTimeout",
     "TransportError", "UcxEnvError", "RdmaUnavailableError", "RdmaNotProvenError", "DEFAULT_TIMEOUT_S",
     "MODEL_PORT_RANGE", "as_descs", "build_ucx_env", "contiguous_descs", "rdma_devices",
     "require_rdma", "MultiClassAgent", "class_agent_name", "kv_ports_reserved",

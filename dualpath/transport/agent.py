@@ -196,6 +196,11 @@ class Transfer:
         if self._notif_after and self._notif is not None:
             nx.send_notif(self.peer, self._notif)
         self._release()
+        self._finish(t1)
+        return True
+
+    def _finish(self, t1: float) -> None:
+        """Mark done, count the payload in the agent's `moved` and record the stats."""
         self.done = True
         moved = getattr(self.agent, "moved", None)
         if moved is not None:
@@ -204,7 +209,6 @@ class Transfer:
         self.stats = TransferStats(self.op, self.peer, self.layer, self.ndesc, self.nbytes,
                                    len(self.handles), self.t_posted - self.t0, t1 - self.t0,
                                    tc.name if tc is not None else "")
-        return True
 
     def wait(self, timeout: float | None = None, poll_sleep_s: float | None = None) -> TransferStats:
         """Wait for completion, at most `timeout` seconds (default: the agent's)."""
@@ -301,7 +305,76 @@ class NotificationInbox:
             time.sleep(0.0005)
 
 
-class Agent(NotificationInbox):
+class TransportAgent(NotificationInbox):
+    """What every KV transport agent shares (NIXL's Agent, MooncakeAgent): its regions, its
+    peers' regions, and READ/WRITE as post-and-wait. A subclass fills `_regions` and `_peers`
+    and implements `post`."""
+
+    _regions: dict[str, Region]
+    _peers: dict[str, dict[str, Region]]
+
+    def region(self, name: str) -> Region:
+        return self._regions[name]
+
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def remote_region(self, peer: str, name: str) -> Region:
+        try:
+            regions = self._peers[peer]
+        except KeyError:
+            raise TransportError(f"agent {self.name!r}: unknown peer {peer!r} (add_peer first)") from None
+        try:
+            return regions[name]
+        except KeyError:
+            raise TransportError(f"peer {peer!r} has no region {name!r} (has {sorted(regions)}); "
+                                 f"was it registered before its metadata was sent?") from None
+
+    def post(self, op: str, peer: str, local: str | Region, remote: str | Region, descs: Any, *,
+             notif: bytes | str | None = None, layer: Any = None, mode: str = "batch") -> Transfer:
+        raise NotImplementedError
+
+    def _new_region(self, name: str, buf: Any, kind: str) -> tuple[int, int]:
+        """(address, bytes) of a buffer about to be registered as `name`, or TransportError."""
+        if kind not in KINDS:
+            raise TransportError(f"unknown region kind {kind!r}; expected one of {KINDS}")
+        if name in self._regions:
+            raise TransportError(f"region {name!r} already registered on agent {self.name!r}")
+        addr, nbytes = _buffer_addr_len(buf)
+        if nbytes == 0:
+            raise TransportError(f"region {name!r} is empty")
+        return addr, nbytes
+
+    def _post_args(self, op: str, peer: str, local: str | Region, remote: str | Region,
+                   notif: bytes | str | None, mode: str, modes: tuple[str, ...]) -> tuple[str, Region, Region, bytes | None]:
+        """A post's arguments checked: (READ|WRITE, local region, remote region, notification)."""
+        op = op.upper()
+        if op not in ("READ", "WRITE"):
+            raise TransportError(f"unknown op {op!r}; expected READ or WRITE")
+        if mode not in modes:
+            raise TransportError(f"unknown mode {mode!r}; expected {' or '.join(repr(m) for m in modes)}")
+        lreg = local if isinstance(local, Region) else self._regions.get(local)
+        if lreg is None:
+            raise TransportError(f"agent {self.name!r} has no local region {local!r}")
+        rreg = remote if isinstance(remote, Region) else self.remote_region(peer, remote)
+        return op, lreg, rreg, notif.encode() if isinstance(notif, str) else notif
+
+    def read(self, peer: str, local: str | Region, remote: str | Region, descs: Any, *,
+             notif: bytes | str | None = None, layer: Any = None, mode: str = "batch",
+             timeout: float | None = None) -> TransferStats:
+        """READ remote -> local and wait (bounded by `timeout`)."""
+        return self.post("READ", peer, local, remote, descs, notif=notif, layer=layer,
+                         mode=mode).wait(timeout)
+
+    def write(self, peer: str, local: str | Region, remote: str | Region, descs: Any, *,
+              notif: bytes | str | None = None, layer: Any = None, mode: str = "batch",
+              timeout: float | None = None) -> TransferStats:
+        """WRITE local -> remote and wait (bounded by `timeout`)."""
+        return self.post("WRITE", peer, local, remote, descs, notif=notif, layer=layer,
+                         mode=mode).wait(timeout)
+
+
+class Agent(TransportAgent):
     """A NIXL agent bound to one interface and one traffic class.
 
     Args:
@@ -375,13 +448,7 @@ class Agent(NotificationInbox):
         `kind` is "dram" (a DRAM buffer) or "hbm" (stands in for GPU memory; host memory here).
         Peers only see regions registered before they received `metadata()`.
         """
-        if kind not in KINDS:
-            raise TransportError(f"unknown region kind {kind!r}; expected one of {KINDS}")
-        if name in self._regions:
-            raise TransportError(f"region {name!r} already registered on agent {self.name!r}")
-        addr, nbytes = _buffer_addr_len(buf)
-        if nbytes == 0:
-            raise TransportError(f"region {name!r} is empty")
+        addr, nbytes = self._new_region(name, buf, kind)
         descs = self._nx.get_reg_descs([(addr, nbytes, 0, name)], "DRAM")
         try:
             self._nx.register_memory(descs, backends=["UCX"])
@@ -400,9 +467,6 @@ class Agent(NotificationInbox):
     def deregister(self, name: str) -> None:
         self._nx.deregister_memory(self._reg_descs.pop(name), backends=["UCX"])
         del self._regions[name]
-
-    def region(self, name: str) -> Region:
-        return self._regions[name]
 
     # ---- metadata -------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -446,41 +510,14 @@ class Agent(NotificationInbox):
         self._peers[peer] = {n: Region(n, k, a, s) for n, (k, a, s) in d["regions"].items()}
         return peer
 
-    def peers(self) -> list[str]:
-        return list(self._peers)
-
-    def remote_region(self, peer: str, name: str) -> Region:
-        try:
-            regions = self._peers[peer]
-        except KeyError:
-            raise TransportError(f"agent {self.name!r}: unknown peer {peer!r} (add_peer first)") from None
-        try:
-            return regions[name]
-        except KeyError:
-            raise TransportError(f"peer {peer!r} has no region {name!r} (has {sorted(regions)}); "
-                                 f"was it registered before its metadata was sent?") from None
-
     def connect(self, peer: str) -> None:
         """Open the connection now rather than on the first transfer (optional)."""
         self._nx.make_connection(peer)
 
     # ---- transfers ------------------------------------------------------------------------
     def _descs(self, local: Region, remote: Region, descs: Any) -> tuple[np.ndarray, np.ndarray, int]:
-        a = np.asarray(descs, dtype=np.int64)
-        if a.ndim != 2 or a.shape[1] != 3 or a.shape[0] == 0:
-            raise TransportError("descriptors must be a non-empty list of (local_off, remote_off, length)")
-        loff, roff, ln = a[:, 0], a[:, 1], a[:, 2]
-        if (ln <= 0).any() or (loff < 0).any() or (roff < 0).any():
-            raise TransportError("descriptor offsets must be >= 0 and lengths > 0")
-        if (loff + ln > local.nbytes).any():
-            i = int(np.argmax(loff + ln > local.nbytes))
-            raise TransportError(f"descriptor {i} runs past local region {local.name!r} "
-                                 f"({int(loff[i])}+{int(ln[i])} > {local.nbytes})")
-        if (roff + ln > remote.nbytes).any():
-            i = int(np.argmax(roff + ln > remote.nbytes))
-            raise TransportError(f"descriptor {i} runs past remote region {remote.name!r} "
-                                 f"({int(roff[i])}+{int(ln[i])} > {remote.nbytes})")
-        n = a.shape[0]
+        loff, roff, ln = check_descs(local, remote, descs)
+        n = len(ln)
         ld = np.zeros((n, 3), dtype=np.uint64)
         rd = np.zeros((n, 3), dtype=np.uint64)
         ld[:, 0] = local.addr + loff
@@ -497,17 +534,7 @@ class Agent(NotificationInbox):
         mode "each": one request per descriptor (for the submission-overhead benchmark).
         `notif` reaches the peer (see `get_notifs`/`wait_notif`) once the data has landed.
         """
-        op = op.upper()
-        if op not in ("READ", "WRITE"):
-            raise TransportError(f"unknown op {op!r}; expected READ or WRITE")
-        if mode not in ("batch", "each"):
-            raise TransportError(f"unknown mode {mode!r}; expected 'batch' or 'each'")
-        lreg = local if isinstance(local, Region) else self._regions.get(local)
-        if lreg is None:
-            raise TransportError(f"agent {self.name!r} has no local region {local!r}")
-        rreg = remote if isinstance(remote, Region) else self.remote_region(peer, remote)
-        if isinstance(notif, str):
-            notif = notif.encode()
+        op, lreg, rreg, notif = self._post_args(op, peer, local, remote, notif, mode, ("batch", "each"))
         t0 = time.perf_counter()
         ld, rd, nbytes = self._descs(lreg, rreg, descs)
         nx = self._nx
@@ -541,20 +568,6 @@ class Agent(NotificationInbox):
             lay = f" layer {layer}" if layer is not None else ""
             raise TransferFailed(f"{op} with peer {peer!r}{lay}: posting failed in NIXL/UCX")
 
-    def read(self, peer: str, local: str | Region, remote: str | Region, descs: Any, *,
-             notif: bytes | str | None = None, layer: Any = None, mode: str = "batch",
-             timeout: float | None = None) -> TransferStats:
-        """READ remote -> local and wait (bounded by `timeout`)."""
-        return self.post("READ", peer, local, remote, descs, notif=notif, layer=layer,
-                         mode=mode).wait(timeout)
-
-    def write(self, peer: str, local: str | Region, remote: str | Region, descs: Any, *,
-              notif: bytes | str | None = None, layer: Any = None, mode: str = "batch",
-              timeout: float | None = None) -> TransferStats:
-        """WRITE local -> remote and wait (bounded by `timeout`)."""
-        return self.post("WRITE", peer, local, remote, descs, notif=notif, layer=layer,
-                         mode=mode).wait(timeout)
-
     # ---- notifications --------------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes | str) -> None:
         self._nx.send_notif(peer, msg.encode() if isinstance(msg, str) else msg)
@@ -586,6 +599,26 @@ class Agent(NotificationInbox):
     def __repr__(self) -> str:
         return (f"Agent({self.name!r}, {self.transport_in_use}, class={self.traffic_class.name}, "
                 f"ports={self.ucx_env.get('UCX_TCP_PORT_RANGE')})")
+
+
+def check_descs(local: Region, remote: Region, descs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local offsets, remote offsets, lengths) of a (local_off, remote_off, length) list, each
+    inside its region, or TransportError."""
+    a = np.asarray(descs, dtype=np.int64)
+    if a.ndim != 2 or a.shape[1] != 3 or a.shape[0] == 0:
+        raise TransportError("descriptors must be a non-empty list of (local_off, remote_off, length)")
+    loff, roff, ln = a[:, 0], a[:, 1], a[:, 2]
+    if (ln <= 0).any() or (loff < 0).any() or (roff < 0).any():
+        raise TransportError("descriptor offsets must be >= 0 and lengths > 0")
+    if (loff + ln > local.nbytes).any():
+        i = int(np.argmax(loff + ln > local.nbytes))
+        raise TransportError(f"descriptor {i} runs past local region {local.name!r} "
+                             f"({int(loff[i])}+{int(ln[i])} > {local.nbytes})")
+    if (roff + ln > remote.nbytes).any():
+        i = int(np.argmax(roff + ln > remote.nbytes))
+        raise TransportError(f"descriptor {i} runs past remote region {remote.name!r} "
+                             f"({int(roff[i])}+{int(ln[i])} > {remote.nbytes})")
+    return loff, roff, ln
 
 
 def contiguous_descs(total: int, ndesc: int, local_off: int = 0, remote_off: int = 0) -> np.ndarray:

@@ -4,7 +4,7 @@ Why not a traffic class per transfer on one agent: on the TCP transport neither 
 can set IP TOS, per transfer or at all. The only handle the testbed has on the DSCP of UCX's
 bytes is the port: an agent's UCX context listens in `UCX_TCP_PORT_RANGE`, read from the
 environment when the context is created, and nftables in every namespace marks the kv port
-range (42000-42999) AF11 in both directions; everything else on a CNIC is the model class
+range (22000-22999) AF11 in both directions; everything else on a CNIC is the model class
 (HTB's default class). A UCX context, hence a NIXL agent, therefore carries exactly one class.
 
 `MultiClassAgent` owns one `Agent` per traffic class it carries, all on the same interface.
@@ -54,6 +54,7 @@ from .env import TransportError, UcxEnvError
 
 DEFAULT_CLASS = KV.name
 _RESERVED_PORTS = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+_LOCAL_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 def class_agent_name(name: str, traffic_class: str) -> str:
@@ -62,13 +63,21 @@ def class_agent_name(name: str, traffic_class: str) -> str:
     return name if tc is KV else f"{name}@{tc.name}"
 
 
-def kv_ports_reserved(path: str = _RESERVED_PORTS) -> bool:
-    """True when this network namespace never hands out kv-range ports as ephemeral ports."""
+def kv_ports_reserved(path: str = _RESERVED_PORTS, local_range_path: str = _LOCAL_PORT_RANGE) -> bool:
+    """True when this network namespace never hands out kv-range ports as ephemeral ports: the
+    range lies outside ip_local_port_range (the default since the kv range moved below it), or
+    ip_local_reserved_ports covers it."""
+    lo, hi = KV_PORT_RANGE
+    try:
+        first, last = (int(x) for x in open(local_range_path).read().split())
+        if hi < first or lo > last:
+            return True
+    except (OSError, ValueError):
+        pass
     try:
         text = open(path).read().strip()
     except OSError:
         return False
-    lo, hi = KV_PORT_RANGE
     covered: list[tuple[int, int]] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         a, _, b = part.partition("-")

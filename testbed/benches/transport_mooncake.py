@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+from dualpath.transport.mooncake import WHEEL, MissingMooncake  # noqa: F401 (the CLI catches it here)
+
 ROUNDS = 3
 REPS = 3
 IPERF_SECONDS = 3.0
@@ -43,19 +44,11 @@ HELLO_TIMEOUT_S = 60.0  # the target's engine start and memory registration
 CLASS = "kv"
 
 
-class MissingMooncake(RuntimeError):
-    pass
-
-
 def need_mooncake() -> Path:
-    """The wheel's folder, or a one-line error naming what to install."""
-    import importlib.util
+    """The wheel's folder, or MissingMooncake naming what to install."""
+    from dualpath.transport.mooncake import need_mooncake as need
 
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingMooncake(f"--transport mooncake needs Mooncake's transfer engine; fix: .venv/bin/pip install "
-                              f"--no-deps {WHEEL} (scripts/bootstrap.sh installs it)")
-    return Path(next(iter(spec.submodule_search_locations)))
+    return Path(need())
 
 
 def _engine(ip: str):

@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classes", help="comma list, e.g. kv,model: one agent per class "
                                       "(MultiClassAgent), the class chosen per transfer")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"])
-    ap.add_argument("--port-range", help="UCX listening sub-range, e.g. 42000-42099")
+    ap.add_argument("--port-range", help="UCX listening sub-range, e.g. 22000-22099")
     ap.add_argument("--ucx", action="append", metavar="KEY=VALUE",
                     help="extra UCX tuning, e.g. TCP_SNDBUF=4m (repeatable)")
     ap.add_argument("--size", type=lambda s: int(float(s)), default=DEFAULT_SIZE,
