@@ -191,19 +191,19 @@ class Cluster:
                 run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_stores[ep.name]},mode=0700", TMPFS_SOURCE,
                      str(root)])
                 self.disk_mounts[root] = self.tmpfs_stores[ep.name]
-            sp = ServerProcess(root, self.store_capacity,
-                               listen=f"{nic.ip}:{STORE_PORT}", argv_prefix=self.fab.exec_argv(ep.name, []),
-                               log_path=self.run_dir / "logs" / f"{ep.name}.log",
-                               block_bytes=self.geom.full_block_bytes)  # refuses any other size
+            sp = ServerProcess(root, self.store_capacity, argv_prefix=self.fab.exec_argv(ep.name, []),
+                               log_path=self.run_dir / "logs" / f"{ep.name}.log", **self._store_server(nic.ip, store_addrs))
             self.stores.append(sp)
             sp.start()
             store_addrs.append(sp.address_str)
+        mooncake = self.fab.topo.spec.store == "mooncake"
         for ep in self.fab.endpoints:
             if ep.kind == "host":
                 nic = ep.nic("host_port")
                 self._spawn(ep, "host", "dualpath.nodes.host", nic.dev, nic.ip, [
                     "--buffer-bytes", str(self.buffer_bytes), "--block-bytes", str(self.geom.full_block_bytes),
-                    "--store", ",".join(store_addrs), "--snic", ep.nic("snic").dev])
+                    "--store", store_addrs[0] if mooncake else ",".join(store_addrs), "--snic", ep.nic("snic").dev,
+                    "--store-kind", self.fab.topo.spec.store])
             elif ep.kind == "engine":
                 nic = ep.nic("cnic")
                 self._spawn(ep, ep.role, "dualpath.nodes.engine", nic.dev, nic.ip, [
@@ -217,6 +217,15 @@ class Cluster:
         # The conductor's own address on the compute bridge (removed with the bridge).
         run(["ip", "addr", "replace", f"{CONDUCTOR_IP}/{COMPUTE_NET.prefixlen}", "dev", COMPUTE_BRIDGE])
         return self
+
+    def _store_server(self, ip: str, started: list[str]) -> dict:
+        """How a storage host's server starts: the 3FS-like store's on its port, refusing any block
+        but a Full Block; or a Mooncake Store segment, the first one with the master, the others
+        joining it (its address is what the host agents are given)."""
+        if self.fab.topo.spec.store != "mooncake":
+            return {"listen": f"{ip}:{STORE_PORT}", "block_bytes": self.geom.full_block_bytes}
+        return {"listen": f"{ip}:0", "module": "emulators.mooncake_store",
+                "extra_args": ["--master", started[0]] if started else []}
 
     def _spawn(self, ep: Endpoint, role: str, module: str, iface: str, ip: str, extra: list[str]) -> None:
         log = self.run_dir / "logs" / f"{ep.name}.log"

@@ -88,6 +88,8 @@ _HINTS: dict[str, str] = {
     "mtu": "set mtu to an integer in [576, 9000]",
     "gso_max_bytes": "set gso_max_bytes to an integer from the mtu to 65536, or leave it out (the kernel's 65536)",
     "hosts": "set hosts to namespaces (Mininet hosts, the default) or docker (one container per namespace)",
+    "store": "set store to 3fs-like (the project's store on disk, the default) or mooncake (Mooncake Store: "
+             "mooncake_master and DRAM segments on the storage hosts)",
     "container_limits": "give container_limits per kind, e.g. {engine: {cpus: 0.5, memory_gib: 4}} "
                         "(kinds: engine, host, storage), with hosts: docker",
     "description": f"keep description to at most {MAX_SCALAR_CHARS} characters",
@@ -176,6 +178,9 @@ class TopologySpec(_Strict):
     # node image (testbed/containers.py), with optional cgroup limits.
     hosts: Literal["namespaces", "docker"] = "namespaces"
     container_limits: ContainerLimitsSpec | None = None
+    # The KV store on the storage hosts: the project's 3FS-like store (emulators/kvstore, on disk),
+    # or Mooncake Store (emulators/mooncake_store.py: mooncake_master and DRAM segments).
+    store: Literal["3fs-like", "mooncake"] = "3fs-like"
     description: str = Field(default="", max_length=MAX_SCALAR_CHARS)
     # A team's KV connector, MODULE:CLASS or FILE.py:CLASS (a FILE relative to this topology's
     # folder): what `dualpath run --connector` names (dualpath/kv/plugin.py, docs/connectors.md).

@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from pydantic import ConfigDict, validate_call
 
 from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, run_auth, wiring_handlers
@@ -154,23 +155,34 @@ def store_failures(keys: list[str], e: StoreError) -> tuple[int, dict[str, str]]
     return first, named
 
 
+def open_store(args, buf: np.ndarray, link: LinkWatch):
+    """A client of the node's store (`--store-kind`), over its SNIC."""
+    if args.store_kind == "mooncake":
+        from dualpath.store.mooncake import MooncakeStoreClient
+        from dualpath.transport.mooncake import iface_ipv4
+
+        return MooncakeStoreClient(args.store, args.block_bytes, iface_ipv4(args.snic), buf)
+    return StoreClient(args.store.split(","), args.block_bytes, retry_s=STORE_RETRY_S, link_up=link.up,
+                       link_name=f"SNIC {args.snic}")
+
+
 def main() -> None:
     ap = base_args(__doc__)
     ap.add_argument("--buffer-bytes", type=int, required=True)
     ap.add_argument("--block-bytes", type=int, required=True, help="bytes of one Full Block")
     ap.add_argument("--store", required=True, help="comma-separated host:port of the storage servers")
     ap.add_argument("--snic", default=None, help="the node's storage NIC (its link state is watched)")
+    ap.add_argument("--store-kind", default="3fs-like", choices=["3fs-like", "mooncake"],
+                    help="the 3FS-like store's servers, or Mooncake Store (--store: its master's ip:port)")
     args = ap.parse_args()
     exit_on_sigterm()
     auth = run_auth()
     agent, buf = make_agent(args, "buf", args.buffer_bytes, "dram")
-    clients: list[StoreClient] = []
+    clients: list = []
     link = LinkWatch(args.snic, on_down=lambda: [c.interrupt() for c in clients])
-    opts = dict(retry_s=STORE_RETRY_S, link_up=link.up, link_name=f"SNIC {args.snic}")
-    store = StoreClient(args.store.split(","), args.block_bytes, **opts)
-    # write-back gets its own connections: a flush must not wait behind a long read on the same
-    # socket (both share the SNIC, as two flows would)
-    writes = StoreClient(args.store.split(","), args.block_bytes, **opts)
+    # write-back gets its own client: a flush must not wait behind a long read on the same
+    # connection (both share the SNIC, as two flows would)
+    store, writes = open_store(args, buf, link), open_store(args, buf, link)
     clients += [store, writes]
     notifs = NotificationWaiter(agent)
     view = memoryview(buf)

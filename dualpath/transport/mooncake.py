@@ -80,8 +80,9 @@ def iface_ipv4(iface: str) -> str:
     return socket.inet_ntoa(raw[20:24])
 
 
-def _configure(port_range: tuple[int, int]) -> None:
-    """Mooncake's process-wide settings, before its first engine starts."""
+def configure(port_range: tuple[int, int] = KV_PORT_RANGE) -> None:
+    """Mooncake's process-wide settings (its ports inside `port_range`, TCP only, quiet logs). Call
+    it before anything imports mooncake.engine or mooncake.store: they read them once, at import."""
     want = {"MC_MIN_RPC_PORT": str(port_range[0]), "MC_MAX_RPC_PORT": str(port_range[1]),
             "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
     with _config_lock:
@@ -163,7 +164,7 @@ class MooncakeAgent(TransportAgent):
         self.name, self.iface = name, iface
         self.timeout_s, self.poll_sleep_s = timeout_s, poll_sleep_s
         self.ip = iface_ipv4(iface)
-        _configure(rng)
+        configure(rng)
         from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
         self._Notify, self._Op = TransferNotify, TransferOpcode

@@ -32,15 +32,17 @@ class ServerProcess:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 30.0,
         block_bytes: int = 0,
+        module: str = "emulators.kvstore.server",
     ) -> None:
         """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
-        a run passes its Full Block size so a put of any other size is refused."""
+        a run passes its Full Block size so a put of any other size is refused. `module`: the
+        server to run (emulators.mooncake_store for a Mooncake Store storage host)."""
         self.root = Path(root)
         self.argv = [
             *argv_prefix,
             python,
             "-m",
-            "emulators.kvstore.server",
+            module,
             "--listen",
             listen,
             "--root",
