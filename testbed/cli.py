@@ -80,10 +80,10 @@ def _fabric(topo, kind: str, transport: str = "tcp"):
 def _transport_opt(transport: str, mooncake: bool = False) -> str:
     """The --transport value, checked: tcp or rdma (NIXL over UCX), or, where `mooncake`, Mooncake's
     transfer engine, whose wheel must be installed (one line naming it, otherwise)."""
-    choices = ("tcp", "rdma", "mooncake") if mooncake else ("tcp", "rdma")
+    choices = ("tcp", "rdma", "mooncake", "mooncake-rdma") if mooncake else ("tcp", "rdma")
     if transport not in choices:
         _fail(f"--transport: {transport!r} is not {', '.join(choices[:-1])} or {choices[-1]}")
-    if transport == "mooncake":
+    if transport.startswith("mooncake"):
         from dualpath.transport.mooncake import MissingMooncake, need_mooncake
 
         try:
@@ -295,6 +295,14 @@ def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) ->
             typer.echo(f"  the same check without the system libibverbs preloaded: "
                        + (f"caught ({'UCX refused to start: no usable transport' if fc['how'] == 'refused' else 'by the rxe counters'})"
                           if fc["caught"] else f"NOT caught: {fc.get('error') or 'it passed'}"))
+        mc = rep.get("mooncake")
+        if mc:
+            typer.echo("  Mooncake READ/WRITE over rxe (its RDMA transport): " + (
+                mc["skipped"] if "skipped" in mc else
+                f"byte-exact {mc['bytes_exact']}, proven by the rxe counters {mc['rdma_proven']}"
+                + (f" (rxe sent_pkts +{mc['rdma']['rxe_sent_pkts']}; HTB into the initiator: kv "
+                   f"{mc['class_bytes_into_initiator']['kv']} bytes, model {mc['class_bytes_into_initiator']['model']})"
+                   if "rdma" in mc else f": {mc.get('error')}")))
         if rep.get("reason") and not rep["rdma_proven"]:
             typer.echo(f"  {rep['reason']}")
     if not rep["rdma_proven"] and not as_json:
@@ -321,7 +329,7 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
             need_tool()
         except MissingTool as e:
             _fail(str(e))
-    mooncake = _transport_opt(transport, mooncake=True) == "mooncake"
+    mooncake = _transport_opt(transport, mooncake=True).startswith("mooncake")
     if mooncake:
         if what != "transport":
             _fail("bench: --transport mooncake applies to `bench transport` only")
@@ -445,7 +453,8 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
             transport: str = typer.Option("tcp", help="the KV transport: tcp or rdma (NIXL over UCX; rdma fails "
                                           "loudly where the kernel has none), or mooncake (Mooncake's transfer "
-                                          "engine over TCP, in the kv class)"),
+                                          "engine over TCP, in the kv class), or mooncake-rdma (its RDMA "
+                                          "transport over rxe, where rdma works)"),
             device: str = typer.Option("cpu", help="where the engines compute: cpu, or cuda (the model and its "
                                        "KV in GPU memory; needs a GPU that torch sees)"),
             quota_ms: int = typer.Option(300, min=1, max=60_000, help="PE compute quota per forward pass "

@@ -171,7 +171,7 @@ class Cluster:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "Cluster":
-        if self.transport == "rdma":
+        if self.transport in ("rdma", "mooncake-rdma"):  # both pin what they register
             from dualpath.transport.env import RdmaUnavailableError
             from dualpath.transport.rdma import pinned_memory_problem
 
@@ -230,7 +230,7 @@ class Cluster:
     def _spawn(self, ep: Endpoint, role: str, module: str, iface: str, ip: str, extra: list[str]) -> None:
         log = self.run_dir / "logs" / f"{ep.name}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        if self.transport == "rdma":  # NIXL's bundled libibverbs cannot drive rxe (transport/rdma.py)
+        if self.transport in ("rdma", "mooncake-rdma"):  # NIXL's bundled libibverbs cannot drive rxe (transport/rdma.py); Mooncake loads the system one anyway
             from dualpath.transport.rdma import preload_env
 
             env = preload_env(env)

@@ -320,7 +320,7 @@ def _tally(res: ModeResult, verdicts: dict[int, Any]) -> dict[str, Any]:
 def fabric_transport(transport: str) -> str:
     """What the fabric must offer for a KV transport: rxe devices for rdma, plain TCP otherwise
     (Mooncake's transfer engine brings its own TCP transport)."""
-    return "rdma" if transport == "rdma" else "tcp"
+    return "rdma" if transport in ("rdma", "mooncake-rdma") else "tcp"
 
 
 def transport_label(in_use: Iterable[str]) -> str:
@@ -668,7 +668,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     (run_dir / "report.md").write_text(f"# dualpath run: {topo.name}\n\nProduced by `{command}`.\n\n```\n"
                                        + "\n".join(e2e_lines(summary)) + "\n```\n")
     shutil.rmtree(scratch, ignore_errors=True)
-    if transport == "rdma":  # proof of transport, not configuration: the counters decide
+    if fabric_transport(transport) == "rdma":  # proof of transport, not configuration: the counters decide
         from dualpath.transport.env import RdmaNotProvenError
         from dualpath.transport.rdma import not_proven_message
 

@@ -67,6 +67,9 @@ def rdma_check(fab, progress=print, fallback_control: bool = True) -> dict[str, 
         rep["reason"] = res.get("error") or "the READ/WRITE check over rxe was not byte-exact"
     if fallback_control:
         rep["fallback_control"] = _fallback_control(fab, progress)
+    from testbed.benches.transport_mooncake import rdma_check as mooncake_rdma_check
+
+    rep["mooncake"] = mooncake_rdma_check(fab, progress)  # beside NIXL's proof, not part of it
     return rep
 
 

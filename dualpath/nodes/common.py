@@ -70,8 +70,8 @@ def base_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--iface", required=True, help="the only interface its KV bytes may use")
     ap.add_argument("--ip", required=True, help="address to serve control on")
     ap.add_argument("--control-port", type=int, default=5555)
-    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma", "mooncake"],
-                    help="NIXL over UCX's tcp or rdma, or Mooncake's transfer engine (its TCP)")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma", "mooncake", "mooncake-rdma"],
+                    help="NIXL over UCX's tcp or rdma, or Mooncake's transfer engine (its TCP or RDMA)")
     ap.add_argument("--port-range", default=None, help="kv listening sub-range, e.g. 22000-22099")
     return ap
 
@@ -83,10 +83,12 @@ def make_agent(args, region: str, nbytes: int, kind: str, buf: np.ndarray | None
     from dualpath.transport.env import parse_port_range
 
     rng = parse_port_range(args.port_range) if args.port_range else None
-    if args.transport == "mooncake":
+    if args.transport.startswith("mooncake"):
+        from dualpath.transport.env import require_rdma
         from dualpath.transport.mooncake import MooncakeAgent
 
-        agent = MooncakeAgent(args.name, args.iface, "kv", port_range=rng)
+        dev = require_rdma(None, args.iface) if args.transport == "mooncake-rdma" else None
+        agent = MooncakeAgent(args.name, args.iface, "kv", port_range=rng, rdma_device=dev)
     else:
         # A host agent is a passive target: NIXL's progress thread serves its peers. An engine
         # polls its own transfers; a second thread there would only contend for UCX's lock.

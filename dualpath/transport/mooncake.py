@@ -80,11 +80,19 @@ def iface_ipv4(iface: str) -> str:
     return socket.inet_ntoa(raw[20:24])
 
 
-def configure(port_range: tuple[int, int] = KV_PORT_RANGE) -> None:
-    """Mooncake's process-wide settings (its ports inside `port_range`, TCP only, quiet logs). Call
-    it before anything imports mooncake.engine or mooncake.store: they read them once, at import."""
+def configure(port_range: tuple[int, int] = KV_PORT_RANGE, rdma_device: str | None = None) -> None:
+    """Mooncake's process-wide settings (its ports inside `port_range`, quiet logs; TCP only, or with
+    `rdma_device` its RDMA transport on the device's IPv4 RoCEv2 GID with the kv class's DSCP in
+    every packet). Call it before anything imports mooncake.engine or mooncake.store: they read
+    them once, at import."""
     want = {"MC_MIN_RPC_PORT": str(port_range[0]), "MC_MAX_RPC_PORT": str(port_range[1]),
-            "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
+            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
+    if rdma_device:
+        from .rdma import ipv4_gid_index
+
+        want.update(MC_GID_INDEX=str(ipv4_gid_index(rdma_device)), MC_IB_TC=str(KV.tos_byte))
+    else:
+        want["MC_FORCE_TCP"] = "1"
     with _config_lock:
         if _configured and _configured != want:
             raise TransportError(f"Mooncake reads its settings once per process: this one runs with "
@@ -143,6 +151,7 @@ class MooncakeAgent(TransportAgent):
         iface: the interface whose address the engine serves on; peers reach it only there.
         traffic_class: "kv" (the only class whose ports Mooncake can be confined to).
         port_range: its RPC and data ports' range, inside the kv range (default: all of it).
+        rdma_device: its RDMA transport on this rxe device (the one on `iface`) instead of TCP.
         timeout_s: default bound of every wait.
         poll_sleep_s: first sleep between completion polls (doubling up to 1 ms).
     """
@@ -150,8 +159,8 @@ class MooncakeAgent(TransportAgent):
     transport = TRANSPORT
 
     def __init__(self, name: str, iface: str, traffic_class: str = "kv", *,
-                 port_range: tuple[int, int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 poll_sleep_s: float = 0.0001):
+                 port_range: tuple[int, int] | None = None, rdma_device: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, poll_sleep_s: float = 0.0001):
         need_mooncake()
         self.traffic_class = by_name(traffic_class)
         if self.traffic_class is not KV:
@@ -164,20 +173,23 @@ class MooncakeAgent(TransportAgent):
         self.name, self.iface = name, iface
         self.timeout_s, self.poll_sleep_s = timeout_s, poll_sleep_s
         self.ip = iface_ipv4(iface)
-        configure(rng)
+        configure(rng, rdma_device)
         from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
         self._Notify, self._Op = TransferNotify, TransferOpcode
+        self.protocol = "rdma" if rdma_device else "tcp"
         self._te = TransferEngine()
-        if self._te.initialize(self.ip, "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransportError(f"agent {name!r}: Mooncake's transfer engine did not start on {self.ip} ({iface})")
+        if self._te.initialize(self.ip, "P2PHANDSHAKE", self.protocol, rdma_device or "") != 0:
+            raise TransportError(f"agent {name!r}: Mooncake's transfer engine did not start on {self.ip} ({iface})"
+                                 + (f" with RDMA device {rdma_device}" if rdma_device else ""))
         port = self._te.get_rpc_port()
         if not rng[0] <= port <= rng[1]:  # its settings were read before ours were set
             raise TransportError(f"agent {name!r}: Mooncake listens on port {port}, outside {rng[0]}-{rng[1]}, so its "
                                  f"bytes would not be marked kv: mooncake.engine was imported before this agent set "
                                  f"its port range (create the first MooncakeAgent before importing it)")
         self.session = f"{self.ip}:{port}"
-        self.transport_in_use = f"mooncake/tcp via {iface}"
+        self.transport_in_use = (f"mooncake/rdma via {rdma_device} ({iface})" if rdma_device
+                                 else f"mooncake/tcp via {iface}")
         self.moved: dict[str, int] = {"READ": 0, "WRITE": 0}
         self._regions: dict[str, Region] = {}
         self._peers: dict[str, dict[str, Region]] = {}
@@ -203,7 +215,8 @@ class MooncakeAgent(TransportAgent):
     # ---- metadata -------------------------------------------------------------------------
     def metadata(self) -> bytes:
         return msgpack.packb({
-            "v": _MD_VERSION, "name": self.name, "transport": TRANSPORT, "class": self.traffic_class.name,
+            "v": _MD_VERSION, "name": self.name, "transport": TRANSPORT, "protocol": self.protocol,
+            "class": self.traffic_class.name,
             "session": self.session,
             "regions": {r.name: [r.kind, r.addr, r.nbytes] for r in self._regions.values()},
         }, use_bin_type=True)
@@ -213,6 +226,9 @@ class MooncakeAgent(TransportAgent):
         if d.get("transport") != TRANSPORT:
             raise TransportError(f"peer {d.get('name')!r} uses transport {d.get('transport')!r} but this agent "
                                  f"uses {TRANSPORT!r}: refusing to mix them")
+        if d.get("protocol") != self.protocol:
+            raise TransportError(f"peer {d.get('name')!r} runs Mooncake over {d.get('protocol')!r}, this agent over "
+                                 f"{self.protocol!r}: refusing to mix them")
         self._peers[d["name"]] = {n: Region(n, k, a, s) for n, (k, a, s) in d["regions"].items()}
         self._sessions[d["name"]] = d["session"]
         return d["name"]

@@ -51,13 +51,22 @@ def need_mooncake() -> Path:
     return Path(need())
 
 
-def _engine(ip: str):
+def _engine(ip: str, device: str = ""):
+    """Mooncake's engine on `ip`: its TCP transport, or with `device` (an rxe device) its RDMA
+    transport, on the device's IPv4 RoCEv2 GID with the kv class's DSCP in every packet."""
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every handshake at INFO
+    if device:
+        from dualpath.traffic_classes import KV
+        from dualpath.transport.rdma import ipv4_gid_index
+
+        os.environ["MC_GID_INDEX"] = str(ipv4_gid_index(device))  # read when the module loads
+        os.environ["MC_IB_TC"] = str(KV.tos_byte)
     from mooncake.engine import TransferEngine
 
     te = TransferEngine()
-    if te.initialize(ip, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError(f"Mooncake's transfer engine did not start on {ip}")
+    if te.initialize(ip, "P2PHANDSHAKE", "rdma" if device else "tcp", device) != 0:
+        raise RuntimeError(f"Mooncake's transfer engine did not start on {ip}"
+                           + (f" with RDMA device {device}" if device else ""))
     return te
 
 
@@ -65,9 +74,9 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def run_target(ip: str, size: int, max_s: float) -> None:
+def run_target(ip: str, size: int, max_s: float, device: str = "") -> None:
     """Register a patterned buffer, say where it is (one JSON line), serve until stdin closes."""
-    te = _engine(ip)
+    te = _engine(ip, device)
     buf = pattern(size, 1)
     if te.register_memory(buf.ctypes.data, size) != 0:
         raise RuntimeError("register_memory failed")
@@ -76,9 +85,10 @@ def run_target(ip: str, size: int, max_s: float) -> None:
     select.select([sys.stdin], [], [], max_s)  # the harness closes stdin when it is done
 
 
-def run_initiator(ip: str, session: str, remote: int, size: int, reps: int, want: str) -> dict[str, Any]:
+def run_initiator(ip: str, session: str, remote: int, size: int, reps: int, want: str,
+                  device: str = "") -> dict[str, Any]:
     """READ the target's buffer (byte-exact against its digest), then `reps` timed READs and WRITEs."""
-    te = _engine(ip)
+    te = _engine(ip, device)
     buf = np.zeros(size, np.uint8)
     if te.register_memory(buf.ctypes.data, size) != 0:
         raise RuntimeError("register_memory failed")
@@ -99,11 +109,15 @@ def run_initiator(ip: str, session: str, remote: int, size: int, reps: int, want
 
 
 # ---- the harness -------------------------------------------------------------------------------
-def _pair(fab, size: int, reps: int) -> dict[str, Any]:
+def _pair(fab, size: int, reps: int, rdma: bool = False) -> dict[str, Any]:
     tgt, ini = fab.endpoint("d0e0"), fab.endpoint("p0e0")
     py = [sys.executable, "-m", "testbed.benches.transport_mooncake"]
+
+    def dev(ep) -> list[str]:
+        return ["--device", fab.rxe[ep.nic("cnic").dev]] if rdma else []
+
     target = subprocess.Popen(_in_class(tgt.name, [*py, "--role", "target", "--ip", tgt.nic("cnic").ip,
-                                                   "--size", str(size)]),
+                                                   "--size", str(size), *dev(tgt)]),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ready, _, _ = select.select([target.stdout], [], [], HELLO_TIMEOUT_S)  # bounded: a stuck start fails
@@ -113,7 +127,8 @@ def _pair(fab, size: int, reps: int) -> dict[str, Any]:
                                "testbed.benches.transport_mooncake --role target ...`)")
         p = subprocess.run(_in_class(ini.name, [*py, "--role", "initiator", "--ip", ini.nic("cnic").ip,
                                                 "--session", hello["session"], "--remote-addr", str(hello["addr"]),
-                                                "--size", str(size), "--reps", str(reps), "--sha256", hello["sha256"]]),
+                                                "--size", str(size), "--reps", str(reps), "--sha256", hello["sha256"],
+                                                *dev(ini)]),
                            capture_output=True, text=True, timeout=120)
         if p.returncode != 0:
             raise RuntimeError(f"the Mooncake initiator failed: {(p.stderr or p.stdout).strip()[-300:]}")
@@ -246,6 +261,39 @@ def bench_transport_mooncake(fab, scratch: Path, progress: Callable[[str], None]
     return res
 
 
+def rdma_check(fab, progress: Callable[[str], None] = print, size: int = 8 << 20) -> dict[str, Any]:
+    """Mooncake's RDMA transport over the fabric's rxe devices (a fabric brought up with transport
+    rdma, as `dualpath check --rdma` does): a byte-exact READ, then a READ and a WRITE, between d0e0
+    and p0e0, proven by the rxe devices' hw_counters like NIXL's check."""
+    from dualpath.transport.rdma import counters_delta, prove, read_counters
+
+    try:
+        need_mooncake()
+    except MissingMooncake as e:
+        return {"skipped": str(e)}
+    from dualpath.traffic_classes import KV, MODEL
+    from emulators.nic import class_for
+    from testbed.counters import class_bytes
+
+    into = fab.endpoint("p0e0").nic("cnic").bridge_dev  # the READ responses' way into the initiator
+
+    def by_class() -> dict[str, int]:
+        return {c.name: class_bytes(into).get(class_for(True, c), 0) for c in (KV, MODEL)}
+
+    progress("  Mooncake READ/WRITE over rxe between p0e0 and d0e0 (its RDMA transport) ...")
+    before, classes0 = read_counters(), by_class()
+    try:
+        res = _pair(fab, size, 1, rdma=True)
+    except RuntimeError as e:
+        return {"bytes_exact": False, "rdma_proven": False, "error": " ".join(str(e).split())[:600]}
+    delta, classes = counters_delta(read_counters(), before), by_class()
+    tgt, ini = (fab.rxe[fab.endpoint(n).nic("cnic").dev] for n in ("d0e0", "p0e0"))
+    proof = prove(delta, {tgt: 2 * size, ini: size}, fab.rdma_mtu())  # READ responses leave d0e0, the WRITE p0e0
+    return {"bytes_exact": bool(res.get("read_exact")), "rdma_proven": bool(proof["rdma_proven"]) and bool(res.get("read_exact")),
+            "bytes": 3 * size, "class_bytes_into_initiator": {k: classes[k] - classes0[k] for k in classes},
+            "rdma": proof}
+
+
 def lines(res: dict[str, Any]) -> list[str]:
     s = res["shaped"]
     out = [f"Mooncake transfer engine (TCP, {res['wheel']}) between p0e0 and d0e0 over CNICs shaped at "
@@ -275,13 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sha256", default="", help="initiator: the target buffer's digest")
     ap.add_argument("--reps", type=int, default=REPS)
     ap.add_argument("--max-s", type=float, default=600.0, help="target: lifetime bound")
+    ap.add_argument("--device", default="", help="an rxe device: Mooncake's RDMA transport on it (default: TCP)")
     a = ap.parse_args(argv)
     if a.role == "target":
-        run_target(a.ip, a.size, a.max_s)
+        run_target(a.ip, a.size, a.max_s, a.device)
         return 0
     if not a.session or a.remote_addr is None:
         ap.error("the initiator needs --session and --remote-addr")
-    print(json.dumps(run_initiator(a.ip, a.session, a.remote_addr, a.size, a.reps, a.sha256)), flush=True)
+    print(json.dumps(run_initiator(a.ip, a.session, a.remote_addr, a.size, a.reps, a.sha256, a.device)), flush=True)
     return 0
 
 
