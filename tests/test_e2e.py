@@ -142,10 +142,11 @@ def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_clea
             assert len(raw) - 64 == h.payload_len and checksum(raw[64:], h.algo) == h.payload_crc, p
 
 
-def test_asking_for_rdma_without_it_fails_loudly(no_leftovers):
+@pytest.mark.parametrize("transport", ["rdma", "mooncake-rdma"])
+def test_asking_for_rdma_without_it_fails_loudly(no_leftovers, transport):
     from tests.conftest import dualpath
 
-    r = dualpath("run", "--transport", "rdma", "--trajectories", "1", "--modes", "basic", timeout=180)
+    r = dualpath("run", "--transport", transport, "--trajectories", "1", "--modes", "basic", timeout=180)
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     assert "no RDMA device" in r.stderr and "does not fall back" in r.stderr

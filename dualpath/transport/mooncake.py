@@ -14,11 +14,13 @@ How it maps:
   follows has completed; the peer collects it with `get_notifies`. As with UCX over TCP, a
   WRITE's completion is seen when its bytes have left the sender, so the testbed's readers check
   the data itself (dualpath/kv/check.py) rather than trust the order.
-- The class: Mooncake picks its RPC and data ports itself, at random inside
+- The class (TCP): Mooncake picks its RPC and data ports itself, at random inside
   MC_MIN_RPC_PORT..MC_MAX_RPC_PORT. Those are set to the kv port range (or the agent's sub-range),
   which nftables marks AF11, so every byte it moves is in the kv class. Mooncake refuses a range
   inside Linux's ephemeral ports and falls back to 15000-17000, unmarked: the kv range lies below
   them for that reason (traffic_classes.KV_PORT_RANGE). Only the kv class is offered.
+- Over RDMA (`--transport mooncake-rdma`), its KV is RoCE with the kv DSCP (MC_IB_TC), and its
+  RPC ports (handshakes, notifications) sit in RDMA_RPC_PORT_RANGE, outside the kv class.
 - Mooncake reads its settings once per process: every agent of a process shares one port range.
 """
 from __future__ import annotations
@@ -51,6 +53,11 @@ from .env import TransportError
 WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 TRANSPORT = "mooncake"
 _SIOCGIFADDR = 0x8915
+# Over RDMA its KV moves as RoCE (marked kv by MC_IB_TC) and its TCP carries only RPCs: their ports
+# go below the ephemeral range but outside the kv range, so they count as control (model class),
+# as the conductor's do. Measured in the VM with them in the kv range: 7-18 % of each NIC's
+# kv-class packets were this TCP, and the counters' proof (RoCE share) failed though the KV was RoCE.
+RDMA_RPC_PORT_RANGE = (23000, 23999)
 _configured: dict[str, str] = {}  # the MC_* settings this process's engines were started with
 _config_lock = threading.Lock()
 
@@ -68,6 +75,10 @@ def need_mooncake() -> str:
         raise MissingMooncake(f"--transport mooncake needs Mooncake's transfer engine; fix: .venv/bin/pip install "
                               f"--no-deps {WHEEL} (scripts/bootstrap.sh installs it)")
     return next(iter(spec.submodule_search_locations))
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def iface_ipv4(iface: str) -> str:
@@ -166,8 +177,12 @@ class MooncakeAgent(TransportAgent):
         if self.traffic_class is not KV:
             raise TransportError(f"agent {name!r}: the Mooncake transport carries the kv class only "
                                  f"(its ports are confined to the kv range); got {traffic_class!r}")
-        rng = port_range or KV_PORT_RANGE
-        if not (KV_PORT_RANGE[0] <= rng[0] <= rng[1] <= KV_PORT_RANGE[1]):
+        rng = port_range or (RDMA_RPC_PORT_RANGE if rdma_device else KV_PORT_RANGE)
+        if rdma_device and _overlaps(rng, KV_PORT_RANGE):
+            raise TransportError(f"agent {name!r}: over RDMA, Mooncake's TCP carries only its RPCs (handshakes, "
+                                 f"notifications), which must stay out of the kv class; {rng[0]}-{rng[1]} overlaps "
+                                 f"the kv range {KV_PORT_RANGE[0]}-{KV_PORT_RANGE[1]}")
+        if not rdma_device and not (KV_PORT_RANGE[0] <= rng[0] <= rng[1] <= KV_PORT_RANGE[1]):
             raise TransportError(f"agent {name!r}: port range {rng[0]}-{rng[1]} is not inside the kv range "
                                  f"{KV_PORT_RANGE[0]}-{KV_PORT_RANGE[1]}: nftables would not mark it")
         self.name, self.iface = name, iface
