@@ -956,6 +956,10 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
+    if t.spec.store == "mooncake" and transport == "mooncake-rdma":  # one process, two port ranges
+        _fail("--transport mooncake-rdma with store: mooncake: a host agent would need Mooncake's RPC ports in two "
+              "ranges at once (RDMA's outside the kv class, the store's TCP inside it), and Mooncake reads them "
+              "once per process; use --transport mooncake, or store: 3fs-like")
     plugin = _connector(connector, t, topology, mode_list)  # (ConnectorRef, its summary) or None
     if wopts is None:
         wl = _workload(ckpt, trajectories, seed, first_turn_tokens, gen_len, max_turns)

@@ -36,6 +36,13 @@ def test_store_and_transport_on_mooncake(tmp_path):
     assert _mooncake_processes() == []
 
 
+def test_what_mooncake_cannot_do_is_refused_in_one_line(tmp_path):
+    r = dualpath("run", "topologies/1p1d-io-mooncake.yaml", "--transport", "mooncake-rdma", "--out", str(tmp_path),
+                 timeout=60)
+    assert r.returncode == 2 and "reads them once per process" in r.stderr + r.stdout and "Traceback" not in r.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_faults_are_refused_on_mooncake_store(tmp_path):
     r = dualpath("run", "topologies/1p1d-io-mooncake.yaml", "--fault", "store-crash@1", "--out", str(tmp_path),
                  timeout=60)
