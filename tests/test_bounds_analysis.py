@@ -119,6 +119,7 @@ SHIPPED = {
     "2p4d": ((1 / 7, 6), 8, SNIC_RX),  # two storage servers
     "4p1d-out-of-range": ((1 / 7, 6), 4, "storage NIC tx"),  # inside the testbed's P/D range, but 5 SNICs > 1 storage NIC
     "1p1d-io": ((0.075 / 1.925, 2 / 0.075 - 2), 1 / 0.075, SNIC_RX),
+    "1p1d-io-mooncake": ((0.075 / 1.925, 2 / 0.075 - 2), 1 / 0.075, SNIC_RX),  # 1p1d-io's links, Mooncake Store
     "1p2d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
     "2p1d-io": ((0.05 / 1.95, 38), 20, SNIC_RX),
     "1p1d-bounds": ((1 / 3, 2), 16, SNIC_RX),  # the P/D sweep's base: g = 1
