@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from dualpath.traffic_classes import KV_PORT_RANGE
+
 from testbed.api import TestbedError
 from tests.conftest import dualpath, needs_root
 
@@ -41,7 +43,7 @@ def send(tb, traffic_class: str | None, port: int) -> dict[str, int]:
     return {c: after[c] - before[c] for c in after}
 
 
-@pytest.mark.parametrize("cls, port", [("kv", 5301), ("model", 42500)])
+@pytest.mark.parametrize("cls, port", [("kv", 5301), ("model", KV_PORT_RANGE[0] + 500)])
 def test_a_program_lands_in_the_class_it_asked_for(dualpath_testbed, cls, port):
     other = "model" if cls == "kv" else "kv"
     got = send(dualpath_testbed, cls, port)
@@ -52,7 +54,7 @@ def test_a_program_lands_in_the_class_it_asked_for(dualpath_testbed, cls, port):
 def test_without_a_class_the_ports_decide(dualpath_testbed):
     """The control: the same program with no class lands by port (the kv range is kv, others
     model), so the test above would fail if --class did nothing."""
-    assert send(dualpath_testbed, None, 42501)["kv"] >= N
+    assert send(dualpath_testbed, None, KV_PORT_RANGE[0] + 501)["kv"] >= N
     assert send(dualpath_testbed, None, 5302)["model"] >= N
 
 

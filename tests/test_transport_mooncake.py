@@ -20,10 +20,17 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
                                 reason="the Mooncake wheel is not installed")
 
 MB = 1 << 20
+BEFORE: set[int] = set()
+
+
+def _listening() -> set[int]:
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"}
 
 
 @pytest.fixture(scope="module")
 def pair():
+    global BEFORE
+    BEFORE = _listening()  # what else in this process listens (other tests' agents)
     a, b = MooncakeAgent("mc-a", "lo", timeout_s=20), MooncakeAgent("mc-b", "lo", timeout_s=20)
     hbm = np.zeros(2 * MB, np.uint8)
     buf = np.random.default_rng(7).integers(0, 256, 2 * MB, dtype=np.uint8)
@@ -72,7 +79,7 @@ def test_a_list_is_done_only_when_its_last_descriptor_is(pair):
 def test_every_listening_port_is_in_the_kv_range(pair):
     """nftables marks the kv class by port: a Mooncake port outside the range would carry KV in
     the model class (Mooncake's own default, 15000-17000, is outside it)."""
-    listening = [c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"]
+    listening = sorted(_listening() - BEFORE)
     assert len(listening) >= 4  # each engine: its RPC (handshake) port and its data port
     lo, hi = KV_PORT_RANGE
     assert all(lo <= p <= hi for p in listening), listening
