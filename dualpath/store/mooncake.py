@@ -63,10 +63,10 @@ class MooncakeStoreClient:
         from mooncake.engine import TransferEngine, TransferOpcode
         from mooncake.store import MooncakeDistributedStore
 
-        self.block_bytes, self.master, self.timeout_s = block_bytes, master, timeout_s
+        self.block_bytes, self.timeout_s = block_bytes, timeout_s
         self.retries = 0  # Mooncake retries inside; nothing is retried here
         self._read_op = TransferOpcode.Read
-        self._buf = buffer
+        self._buf = buffer  # registered with Mooncake: kept alive as long as the client
         self._lo, self._hi = int(buffer.ctypes.data), int(buffer.ctypes.data) + buffer.nbytes
         self._te = TransferEngine()  # the store's engine too, so that reads can be polled here
         if self._te.initialize(ip, "P2PHANDSHAKE", "tcp", "") != 0:
@@ -89,11 +89,11 @@ class MooncakeStoreClient:
         return out
 
     @staticmethod
-    def _raise_first(results: Sequence[int], keys: Sequence[str], what: str, ok: int = 0) -> None:
+    def _raise_first(results: Sequence[int], keys: Sequence[str], what: str) -> None:
         """The error of the first key whose result is an error, carrying every failure in .errors."""
         errors: dict[str, StoreError] = {}
         for key, r in zip(keys, results):
-            if r < ok:
+            if r < 0:
                 errors[key] = (MissingBlockError(f"block {key} is not in the Mooncake Store", key=key)
                                if r == OBJECT_NOT_FOUND else
                                StoreError(f"Mooncake Store {what} of block {key} failed with error {r}", key=key))
