@@ -5,7 +5,7 @@ Each path is a list of hops. A hop moves a byte count, written as a linear expre
     M  miss-token KV bytes (computed by the PE this turn),
     W  bytes of new Full Blocks the DE writes back,
 from a source NIC to a destination NIC: the source counts them as tx, the destination as rx
-(direction is always in the NIC owner's view). NICs, as the fabric builds them (testbed/fabric.py):
+(direction is always in the NIC owner's view). NICs, as the fabric builds them (testbed/fabric/network.py):
 
     PE SNIC, PE host port, PE CNIC, DE SNIC, DE host port, DE CNIC, and the storage servers' NICs.
 
@@ -40,7 +40,7 @@ DIRECTIONS = ("tx", "rx")
 
 
 class Nic(Enum):
-    """A NIC role in one request's transfer. value = (side, kind as in testbed.fabric.Nic.kind)."""
+    """A NIC role in one request's transfer. value = (side, kind as in testbed.fabric.network.Nic.kind)."""
 
     PE_SNIC = ("pe", "snic")
     PE_HOST = ("pe", "host_port")

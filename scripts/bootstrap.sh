@@ -26,7 +26,7 @@ declare -A NEED=(
     [mnexec]=mininet [brctl]=bridge-utils [iperf3]=iperf3 [fio]=fio
     [nft]=nftables [tcpdump]=tcpdump [tc]=iproute2 [ip]=iproute2
     [ruby]=ruby  # `ruby -c Vagrantfile` in the suite: Vagrant itself cannot run here
-    # hosts: docker (testbed/containers.py): the testbed starts its own daemon; the node image
+    # hosts: docker (testbed/fabric/containers.py): the testbed starts its own daemon; the node image
     # is built from Debian packages by debootstrap (scripts/docker/build-image.sh)
     [dockerd]=docker.io [debootstrap]=debootstrap
     # `dualpath bench ucx-perftest` (UCX's own benchmark across the fabric); `exec --class` (setpriv)

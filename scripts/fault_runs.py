@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.cleanup import find_leftovers  # noqa: E402
+from testbed.fabric.cleanup import find_leftovers  # noqa: E402
 from testbed.paths import shown_path  # noqa: E402
 
 RUNS = {  # name -> the --fault values of its run (T: emulated seconds after the first request)

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.cleanup import find_leftovers  # noqa: E402
+from testbed.fabric.cleanup import find_leftovers  # noqa: E402
 
 CLI = [sys.executable, "-m", "testbed.cli"]
 ENDINGS = ("SIGINT", "SIGTERM", "SIGKILL")
@@ -101,7 +101,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def _wait_gone(pid: int, timeout_s: float = 60) -> None:
-    from testbed.rundir import proc_start
+    from testbed.fabric.rundir import proc_start
 
     deadline = time.monotonic() + timeout_s
     while proc_start(pid) is not None:

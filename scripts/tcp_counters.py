@@ -7,7 +7,7 @@ and per mode the largest measured/expected KV bytes of any NIC.
     .venv/bin/python scripts/tcp_counters.py --tail-loss-probes on   # the kernel's default
 
 `--tail-loss-probes on` sets net.ipv4.tcp_early_retrans back to the kernel's 3 in every namespace
-after bring-up: the setting the fabric turns off (testbed/fabric.py, TCP_SYSCTLS). Needs root and
+after bring-up: the setting the fabric turns off (testbed/fabric/network.py, TCP_SYSCTLS). Needs root and
 the testbed to itself (about 90 s).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ COUNTERS = ("Tcp:RetransSegs", "Tcp:OutSegs", "TcpExt:TCPLossProbes", "TcpExt:TC
 
 def tcp_counters(ns: str) -> dict[str, int]:
     """The namespace's Tcp: and TcpExt: counters (/proc/net/snmp and netstat are per namespace)."""
-    from testbed.shell import run
+    from testbed.fabric.shell import run
 
     out: dict[str, int] = {}
     for f in ("/proc/net/snmp", "/proc/net/netstat"):
@@ -49,9 +49,9 @@ def main() -> int:
     args = ap.parse_args()
     from dualpath.workload import demo_workload, generate
     from testbed.api import demo_checkpoint
-    from testbed.experiment import run_e2e, run_geometry, summarize
-    from testbed.fabric import Fabric
-    from testbed.shell import run
+    from testbed.experiments.ablation import run_e2e, run_geometry, summarize
+    from testbed.fabric.network import Fabric
+    from testbed.fabric.shell import run
     from testbed.topology import load_topology
 
     topo = load_topology(REPO / "topologies" / "1p1d.yaml")

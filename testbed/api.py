@@ -14,7 +14,7 @@ leaving the `with` block, on an exception in it, on SIGTERM (turned into Keyboar
 while the testbed is up, as the CLI does) and at interpreter exit; it ends every process in
 the testbed's namespaces, user processes started with `exec`/`popen` included.
 
-The state of a live testbed is recorded in one run directory (testbed/rundir.py), so the
+The state of a live testbed is recorded in one run directory (testbed/fabric/rundir.py), so the
 CLI sees it (`dualpath status`, `exec`, `down`) and a second testbed on the machine fails
 to start with a clear error. `Testbed.attach()` gives the same view of a testbed someone
 else owns (e.g. one `dualpath up --detach` started in an earlier CI step).
@@ -31,9 +31,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from testbed import rundir
+from testbed.fabric import rundir
+from testbed.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = REPO / "topologies"
 DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
 
@@ -68,7 +68,7 @@ def demo_checkpoint() -> Path:
 def fabric_record(fab: Any, topology_path: Path | None = None) -> dict[str, Any]:
     """What a run directory records of a fabric that is up: enough for `dualpath status` to show
     it and for `dualpath down` to remove it after its owner died."""
-    from testbed.fabric import COMPUTE_BRIDGE, STORAGE_BRIDGE
+    from testbed.fabric.network import COMPUTE_BRIDGE, STORAGE_BRIDGE
 
     shells = []
     for node in (*fab.net.hosts, *fab.net.switches):  # Mininet's shells: tagged mininet:<name>
@@ -91,13 +91,13 @@ def fabric_record(fab: Any, topology_path: Path | None = None) -> dict[str, Any]
 @contextmanager
 def claimed_fabric(topo: Any, transport: str = "tcp", shares: Sequence[Path] = (),
                    owner_kind: str = "run") -> Iterator[Any]:
-    """A bare fabric (testbed.fabric.Fabric) for a command that runs in the foreground
+    """A bare fabric (testbed.fabric.network.Fabric) for a command that runs in the foreground
     (`dualpath run`, `check`, `bench`, `up --hold`, a reproduce's runs, the isolation
     experiment), holding the machine's run directory while it is up as a Testbed does:
     `dualpath status` and `exec` see it, a second testbed is refused saying whose it is, and
     `dualpath down` removes what it made if this process is killed. Raises TestbedError when
     the machine is taken or holds leftovers; released however the block ends."""
-    from testbed.fabric import Fabric
+    from testbed.fabric.network import Fabric
 
     try:
         state = rundir.claim(owner_kind, topo.name)
@@ -118,7 +118,7 @@ def claimed_fabric(topo: Any, transport: str = "tcp", shares: Sequence[Path] = (
 def _refuse_leftovers() -> None:
     """Once the run directory is claimed, anything else of the testbed's on the machine is what
     a dead run left: building over it would mix the two."""
-    from testbed.cleanup import find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
     left = find_leftovers(exclude_pids={os.getpid()})
     left.run_dirs = []  # ours, just claimed
@@ -152,8 +152,8 @@ class Testbed:
         self.run_dir = rundir.RUN_DIR
         self.timings: dict[str, float] = {}
         self.state: dict[str, Any] = {}
-        self.fabric: Any = None  # testbed.fabric.Fabric
-        self.cluster: Any = None  # testbed.cluster.Cluster
+        self.fabric: Any = None  # testbed.fabric.network.Fabric
+        self.cluster: Any = None  # testbed.cluster.processes.Cluster
         self._store: Any = None
         self._owned = True
         self._claimed = False
@@ -184,10 +184,10 @@ class Testbed:
         _live.append(self)
 
     def build(self) -> None:
-        # Not testbed.cluster: it imports torch (2 s here), which a fabric-only bring-up never needs.
-        from testbed.fabric import (COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_CLIENT_IP,
+        # Not testbed.cluster.processes: it imports torch (2 s here), which a fabric-only bring-up never needs.
+        from testbed.fabric.network import (COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, STORAGE_BRIDGE, STORAGE_CLIENT_IP,
                                     STORAGE_NET, Fabric)
-        from testbed.shell import run
+        from testbed.fabric.shell import run
 
         _refuse_leftovers()
         self._catch_sigterm()
@@ -212,8 +212,8 @@ class Testbed:
         rundir.write(self.state, self.run_dir)
 
     def _start_services(self) -> None:
-        from testbed.cluster import CONTROL_PORT, Cluster
-        from testbed.runclock import RunClock, run_geometry
+        from testbed.cluster.processes import CONTROL_PORT, Cluster
+        from testbed.cluster.runclock import RunClock, run_geometry
 
         ckpt = self._checkpoint()
         geom = run_geometry(ckpt)
@@ -324,7 +324,7 @@ class Testbed:
         if st.get("phase") != "up":
             raise TestbedError(f"the testbed in {rundir.RUN_DIR} is still starting (phase {st.get('phase')!r}); "
                                f"try again once `dualpath up` has returned")
-        from testbed.fabric import Fabric
+        from testbed.fabric.network import Fabric
 
         tb = cls(st["topology"]["path"], services=bool(st.get("services")))
         tb._owned = False
@@ -436,8 +436,8 @@ class Testbed:
 
     # -- counters -------------------------------------------------------------------------------
     def counters(self):
-        """Every NIC's kernel byte counters per traffic class and direction (testbed.counters.Snapshot)."""
-        from testbed import counters
+        """Every NIC's kernel byte counters per traffic class and direction (testbed.fabric.counters.Snapshot)."""
+        from testbed.fabric import counters
 
         return counters.snapshot(self.fabric)
 
@@ -445,7 +445,7 @@ class Testbed:
         """Wire bytes per traffic class ("kv", "model"; "fifo" with QoS off) of one NIC, as
         {"tx": {...}, "rx": {...}}: tx is what the node sent, rx what it received."""
         from emulators.nic import CLASS_IDS, FIFO_CLASS
-        from testbed.counters import class_bytes
+        from testbed.fabric.counters import class_bytes
 
         n = _nic(self.endpoint(node), nic)
         ns = self.endpoint(node)["name"]
@@ -465,7 +465,7 @@ def node_argv(state: Mapping[str, Any], node: str, argv: Sequence[str] | str) ->
     if not cmd:
         raise TestbedError("exec: empty command")
     if ns in state.get("containers", {}):
-        from testbed.containers import enter_argv
+        from testbed.fabric.containers import enter_argv
 
         return enter_argv(state["containers"][ns], cmd)
     return ["ip", "netns", "exec", ns, *cmd]
@@ -490,7 +490,7 @@ def enable_class_marking(ns: str) -> None:
     """Add the class rules to namespace `ns`'s marking table once (dscp_marking.class_rules_script):
     a program in a class (`class_argv`) is marked by them."""
     from emulators import dscp_marking
-    from testbed.shell import CommandError, run
+    from testbed.fabric.shell import CommandError, run
 
     try:
         listing = run(["nft", "list", "chain", "ip", dscp_marking.TABLE, "mark_out"], ns=ns)

@@ -235,8 +235,8 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
     if rdma:
         _check_rdma(topology, as_json, out)
     _need_root()
-    from testbed.check import check as run_check
-    from testbed.report import check_lines, write_check
+    from testbed.calibrate.check import check as run_check
+    from testbed.measure.report import check_lines, write_check
 
     t = _topology(topology)
     progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
@@ -256,7 +256,7 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
 def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) -> None:
     """`dualpath check --rdma`: proof of transport, not configuration (see rdma_check)."""
     from dualpath.transport.env import RdmaUnavailableError
-    from testbed.rdma_preflight import rdma_check, rdma_preflight
+    from testbed.fabric.rdma_preflight import rdma_check, rdma_preflight
 
     progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
     if os.geteuid() != 0:
@@ -323,7 +323,7 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
     if what not in ("transport", "store", "burst", "ucx-perftest"):
         _fail(f"bench: unknown target {what!r}; choose transport, store, burst or ucx-perftest")
     if what == "ucx-perftest":
-        from testbed.benches.ucx_perftest import MissingTool, need_tool
+        from testbed.calibrate.benches.ucx_perftest import MissingTool, need_tool
 
         try:
             need_tool()
@@ -337,7 +337,7 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
     if transport == "rdma" and what != "transport":
         _fail("bench: --transport rdma applies to `bench transport` only (the store speaks TCP)")
     _need_root()
-    from testbed.benches import bench_store, bench_transport
+    from testbed.calibrate.benches import bench_store, bench_transport
 
     t = _topology(topology)
     run_id = time.strftime("%Y%m%d-%H%M%S")
@@ -345,15 +345,15 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
     scratch.mkdir(parents=True, exist_ok=True)
     with _fabric(t, "bench", transport) as fab:
         if what == "burst":
-            from testbed.benches.burst import bench_burst
+            from testbed.calibrate.benches.burst import bench_burst
 
             res = {"topology": t.name, **bench_burst(fab, t.spec.mtu, typer.echo)}
         elif what == "ucx-perftest":
-            from testbed.benches.ucx_perftest import bench_ucx_perftest
+            from testbed.calibrate.benches.ucx_perftest import bench_ucx_perftest
 
             res = {"topology": t.name, **bench_ucx_perftest(fab, typer.echo)}
         elif mooncake:
-            from testbed.benches.transport_mooncake import bench_transport_mooncake
+            from testbed.calibrate.benches.transport_mooncake import bench_transport_mooncake
 
             res = {"topology": t.name, **bench_transport_mooncake(fab, scratch, typer.echo)}
         else:
@@ -376,18 +376,18 @@ def bench(what: str = typer.Argument(..., help="transport, store, burst or ucx-p
 def _bench_lines(what: str, res: dict, mooncake: bool) -> list[str]:
     """A bench's report, in the words of the module that ran it."""
     if what == "burst":
-        from testbed.benches.burst import burst_lines
+        from testbed.calibrate.benches.burst import burst_lines
 
         return burst_lines(res)
     if what == "ucx-perftest":
-        from testbed.benches.ucx_perftest import lines
+        from testbed.calibrate.benches.ucx_perftest import lines
 
         return lines(res)
     if mooncake:
-        from testbed.benches.transport_mooncake import lines
+        from testbed.calibrate.benches.transport_mooncake import lines
 
         return lines(res)
-    from testbed.report import bench_lines
+    from testbed.measure.report import bench_lines
 
     return bench_lines(what, res)
 
@@ -398,7 +398,7 @@ def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint
                 out: Path = typer.Option(Path("results/profile"), help="where the run's folder goes")) -> None:
     """Fit the compute-quota cost model on the engine's own prefill loop; derive beta."""
     from dualpath.model import CheckpointError
-    from testbed.profile import profile
+    from testbed.calibrate.profile import profile
 
     ckpt = checkpoint or _demo_model()
     try:
@@ -424,7 +424,7 @@ def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint
 def clean() -> None:
     """Remove anything the testbed left behind (matched by its dpt prefix only)."""
     _need_root()
-    from testbed.cleanup import clean as do_clean
+    from testbed.fabric.cleanup import clean as do_clean
 
     do_clean(verbose=True)
 
@@ -449,7 +449,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             compute: Optional[str] = typer.Option(None, help="override the topology's compute: emulated (the "
                                                   "target GPU's time) or cpu (the host's own time)"),
             hosts: Optional[str] = typer.Option(None, help="override the topology's hosts: namespaces (Mininet "
-                                                "hosts) or docker (a container per namespace, testbed/containers.py)"),
+                                                "hosts) or docker (a container per namespace, testbed/fabric/containers.py)"),
             out: Path = typer.Option(Path("results/e2e"), help="where the run's folder goes"),
             transport: str = typer.Option("tcp", help="the KV transport: tcp or rdma (NIXL over UCX; rdma fails "
                                           "loudly where the kernel has none), or mooncake (Mooncake's transfer "
@@ -468,7 +468,7 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             fault: Optional[list[str]] = typer.Option(None, "--fault", help="KIND[:TARGET]@T, repeatable: inject a "
                                                       "fault T emulated seconds after each mode's first request; kinds "
                                                       "snic-down, snic-up, store-crash, host-kill, pe-kill, de-kill, "
-                                                      "corrupt-block, disk-full (testbed/faults.py); seeded by --seed"),
+                                                      "corrupt-block, disk-full (testbed/cluster/faults.py); seeded by --seed"),
             workload: Optional[str] = WORKLOAD_OPT, trace: Optional[str] = TRACE_OPT,
             length_scale: Optional[float] = LENGTH_SCALE_OPT, append_scale: Optional[float] = APPEND_SCALE_OPT,
             gen_scale: Optional[float] = GEN_SCALE_OPT, agents: Optional[int] = AGENTS_OPT,
@@ -680,10 +680,10 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
             gen_scale: Optional[float] = GEN_SCALE_OPT, agents: Optional[int] = AGENTS_OPT,
             trace_limit: Optional[int] = TRACE_LIMIT_OPT, trace_window: Optional[str] = TRACE_WINDOW_OPT,
             offline: bool = OFFLINE_OPT, time_scale: Optional[float] = TIME_SCALE_OPT) -> None:
-    """Simulate a cluster (emulators/sim): the testbed's scheduler and cost model at any scale."""
+    """Simulate a cluster (simulator): the testbed's scheduler and cost model at any scale."""
     wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
                               trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
-    from emulators.sim.calibration import UNCALIBRATED, Calibration
+    from simulator.calibration import UNCALIBRATED, Calibration
 
     command = " ".join(["dualpath", *sys.argv[1:]])
     if sum(bool(x) for x in (calibrate, validate)) > 1:
@@ -692,7 +692,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         _fail("sim: --burst goes with --calibrate (the measured burst becomes part of the calibration)")
     if calibrate:
         from testbed.reproduce.runs import RunError, load_run
-        from testbed.sim_validate import calibrate as fit
+        from testbed.sim.validate import calibrate as fit
 
         try:
             fit_runs = [load_run(p) for p in calibrate]
@@ -720,7 +720,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         _fail(f"sim --calibration: {e}")
     if validate:
         from testbed.reproduce.runs import RunError, load_run
-        from testbed.sim_validate import validate_to_folder
+        from testbed.sim.validate import validate_to_folder
 
         if cal_path is None:
             _fail(f"sim --validate: no calibration ({SIM_CALIBRATION} is missing); fix: dualpath sim --calibrate RUN")
@@ -734,7 +734,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
                    f"{agg['held_out_mean_jct_err']}; targets {'met' if agg['meets_targets'] else 'NOT met'}")
         typer.echo(f"results: {folder}/summary.json, report.md, scatter.png")
         raise typer.Exit(0 if agg["meets_targets"] else 1)
-    from testbed.sim import run_sim_to_folder
+    from testbed.sim.drive import run_sim_to_folder
 
     if topology is None:
         _fail("sim: name a topology (e.g. topologies/1p1d-io.yaml, or topologies/sim/48p96d.yaml --units target)")
@@ -742,7 +742,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
         t = load_topology(topology, carried=units == "testbed")
     except TopologyError as e:
         _fail(str(e))
-    from testbed.modes import MODES
+    from testbed.cluster.modes import MODES
 
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in mode_list if m not in MODES]
@@ -773,7 +773,7 @@ def _sim_workload(wopts, own_scale: bool, seed: int, trajectories: int, first_tu
     from dualpath.workload import TraceError, demo_workload
     from dualpath.workload.spec import describe_scale
     from dualpath.workload.trace import TraceSpec, load_trace
-    from testbed.sim import RUN_BLOCK_TOKENS
+    from testbed.sim.drive import RUN_BLOCK_TOKENS
 
     try:
         if wopts is None:
@@ -795,7 +795,7 @@ def _connector(spec: Optional[str], t, topology: Optional[Path], modes: tuple[st
     """--connector (else the topology's `connector:`) loaded and checked here, before anything is
     brought up: (ConnectorRef, what summary.json records of it), or None. One line and exit 2 if it cannot run."""
     from dualpath.kv.plugin import ConnectorError, describe, resolve
-    from testbed.modes import connector_of
+    from testbed.cluster.modes import connector_of
 
     base = None
     if spec is None and t.spec.connector:
@@ -826,8 +826,8 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
 
     from dualpath.model import CheckpointError
     from dualpath.model.checkpoint import preflight
-    from testbed.conductor import MODES
-    from testbed.runclock import run_geometry
+    from testbed.cluster.conductor import MODES
+    from testbed.cluster.runclock import run_geometry
 
     t = _topology(topology)
     if compute is not None:
@@ -850,7 +850,7 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
             update["container_limits"] = None
         t = replace(t, spec=t.spec.model_copy(update=update))
     if t.spec.hosts == "docker":
-        from testbed.containers import DOCKERD
+        from testbed.fabric.containers import DOCKERD
 
         if not Path(DOCKERD).exists():
             _fail(f"hosts: docker needs Debian's docker.io ({DOCKERD} is missing); fix: apt-get install docker.io")
@@ -948,9 +948,9 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
-    from testbed.experiment import run_to_folder
+    from testbed.experiments.ablation import run_to_folder
     from testbed.paths import shown_path
-    from testbed.report import e2e_lines, failed_checks
+    from testbed.measure.report import e2e_lines, failed_checks
 
     t_start = time.monotonic()
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
@@ -1007,8 +1007,8 @@ def _faults(t, texts: list[str]) -> list:
     """--fault values against the topology, before anything is brought up (one line and exit 2)."""
     if not texts:
         return []
-    from testbed.fabric import plan
-    from testbed.faults import FaultError, parse_faults, topology_names
+    from testbed.fabric.network import plan
+    from testbed.cluster.faults import FaultError, parse_faults, topology_names
 
     if t.spec.store == "mooncake":  # its durability is DRAM's: the faults test guarantees it does not make
         _fail("--fault: the fault runs need the 3FS-like store (store: 3fs-like); Mooncake Store keeps blocks in "
@@ -1030,7 +1030,7 @@ def main() -> None:
     # Ctrl-C must tear down even when started from a script in the background, where the
     # shell hands us SIGINT ignored (and Python then leaves it ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from testbed.shell import CommandError
+    from testbed.fabric.shell import CommandError
 
     # typer (pinned) vendors click; its usage errors would print a multi-line box
     from typer._click.exceptions import NoArgsIsHelpError, UsageError

@@ -22,7 +22,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from testbed import rundir
+from testbed.fabric import rundir
 
 READY_TIMEOUT_S = {False: 60.0, True: 600.0}  # fabric only / with services (engines load a model)
 
@@ -73,7 +73,7 @@ def start_detached(topology: Path, services: bool, checkpoint: Path | None = Non
         pass
     st = rundir.read()
     if st is not None and rundir.owner(st).pid == pid:
-        from testbed.cleanup import remove_recorded
+        from testbed.fabric.cleanup import remove_recorded
 
         remove_recorded(st)
     raise TestbedError(msg.removeprefix("error ").strip() or "the runner died while starting; "
@@ -176,7 +176,7 @@ def down(force: bool = False, progress: Callable[[str], None] = print, timeout_s
     """Tear the testbed down; return one line saying what happened. Raises TestbedError when a
     live testbed is owned by a user's process (unless `force`)."""
     from testbed.api import TestbedError
-    from testbed.cleanup import remove_recorded, stop_runner
+    from testbed.fabric.cleanup import remove_recorded, stop_runner
 
     t0 = time.monotonic()
     st, what = status()

@@ -175,7 +175,7 @@ class TopologySpec(_Strict):
     compute: Literal["emulated", "cpu"] = "emulated"
     target: TargetSpec = TargetSpec()
     # How a node's namespaces are made: Mininet hosts, or Docker containers of the project's
-    # node image (testbed/containers.py), with optional cgroup limits.
+    # node image (testbed/fabric/containers.py), with optional cgroup limits.
     hosts: Literal["namespaces", "docker"] = "namespaces"
     container_limits: ContainerLimitsSpec | None = None
     # The KV store on the storage hosts: the project's 3FS-like store (emulators/kvstore, on disk),
@@ -330,7 +330,7 @@ class Topology:
         lim = self.spec.container_limits
         parts = [f"{kind} {', '.join(f'{k} {v:g}' for k, v in getattr(lim, kind).model_dump().items() if v)}"
                  for kind in ("engine", "host", "storage") if lim and getattr(lim, kind)]
-        return ("hosts: docker, a container of the node image per namespace (testbed/containers.py); limits: "
+        return ("hosts: docker, a container of the node image per namespace (testbed/fabric/containers.py); limits: "
                 + ("; ".join(parts) if parts else "none"))
 
     def _testbed_bound_lines(self) -> list[str]:

@@ -66,7 +66,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     leftovers are removed, and the suite says what it removed."""
     if not is_root():
         return
-    from testbed.cleanup import clean, find_leftovers, live_owners
+    from testbed.fabric.cleanup import clean, find_leftovers, live_owners
 
     live = live_owners()
     if live:  # a run in progress (a reproduce, a demo) is not a leftover: never destroy it
@@ -81,7 +81,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture
 def no_leftovers():
     """Fails the test if it leaves anything of the testbed behind; cleans up either way."""
-    from testbed.cleanup import clean, find_leftovers, live_owners
+    from testbed.fabric.cleanup import clean, find_leftovers, live_owners
 
     live = live_owners()
     if live:

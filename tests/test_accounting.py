@@ -186,8 +186,8 @@ def test_rereads_add_their_bytes_on_their_own_hops():
 
 
 def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named():
-    from testbed.conductor import RequestRecord
-    from testbed.experiment import interfaces_of
+    from testbed.cluster.conductor import RequestRecord
+    from testbed.experiments.ablation import interfaces_of
 
     # the isolation experiment's conditions are oracle passes named after the condition
     r = RequestRecord("r0", 0, 0, "qos_on", "none", pe="dpt-p0e0", de="dpt-d0e0", pe_node="dpt-p0", de_node="dpt-d0",
@@ -198,7 +198,7 @@ def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named
 
 
 def test_retransmitted_segments_are_read_from_a_namespaces_snmp_table(tmp_path):
-    from testbed.counters import tcp_retransmitted_segments
+    from testbed.fabric.counters import tcp_retransmitted_segments
 
     snmp = tmp_path / "snmp"
     snmp.write_text("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
@@ -217,14 +217,14 @@ SS_LINES = (  # `ss -tinHO` in an engine namespace (one socket per line; the sec
 
 
 def test_resent_bytes_are_read_per_ipv4_socket_from_ss():
-    from testbed.counters import parse_ss_resent
+    from testbed.fabric.counters import parse_ss_resent
 
     assert parse_ss_resent(SS_LINES) == {("10.77.0.3", 42001, "10.77.0.1", 51234): 2896}
     assert parse_ss_resent("") == {}
 
 
 def test_a_delta_charges_resent_bytes_to_both_nics_and_first_sent_takes_them_off():
-    from testbed.counters import Snapshot, delta, first_sent
+    from testbed.fabric.counters import Snapshot, delta, first_sent
 
     tx, rx = ("dpt-p0e0", "cnic", "tx"), ("dpt-d0", "host_port", "rx")
     old = ("dpt-p0e0", "10.77.0.3", 42001, "10.77.0.1", 51234)

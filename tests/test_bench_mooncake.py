@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import REPO, dualpath, needs_root
 
 try:
-    from testbed.benches.transport_mooncake import need_mooncake
+    from testbed.calibrate.benches.transport_mooncake import need_mooncake
 
     need_mooncake()
     HAVE = True
@@ -39,7 +39,7 @@ def test_mooncake_moves_bytes_exactly_in_the_kv_class(tmp_path):
 def test_a_missing_wheel_is_one_line(tmp_path):
     # a module named mooncake that is not a package: what an interpreter without the wheel finds
     (tmp_path / "mooncake.py").write_text("")
-    code = ("from testbed.benches.transport_mooncake import need_mooncake, MissingMooncake\n"
+    code = ("from testbed.calibrate.benches.transport_mooncake import need_mooncake, MissingMooncake\n"
             "try:\n    need_mooncake()\nexcept MissingMooncake as e:\n    print(e)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})

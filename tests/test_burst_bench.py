@@ -8,8 +8,8 @@ per kind).
 """
 import pytest
 
-from testbed.benches import burst
-from testbed.fabric import Fabric
+from testbed.calibrate.benches import burst
+from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
 
@@ -17,7 +17,7 @@ pytestmark = needs_root
 
 
 def test_fresh_transfers_leave_near_the_bucket_model_on_every_nic_kind(monkeypatch):
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import clean, find_leftovers
 
     if not find_leftovers().empty():
         clean(verbose=False)

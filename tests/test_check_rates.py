@@ -1,7 +1,7 @@
 """The link calibration's rate from sampled HTB counters (pure; the live check is test_shaping)."""
 import pytest
 
-from testbed.check import SAMPLE_S, TRIM_S, _backlogged_rate_bps, _steady_rate_bps
+from testbed.calibrate.check import SAMPLE_S, TRIM_S, _backlogged_rate_bps, _steady_rate_bps
 
 
 def _samples(rates_bps: list[float]) -> list[tuple[float, int]]:
@@ -42,7 +42,7 @@ def test_a_tcp_stall_does_not_read_as_a_slow_shaper_but_a_slow_shaper_does():
 
 
 def test_steal_share_is_the_hypervisors_jiffies_over_all():
-    from testbed.monitor import read_steal, steal_share
+    from testbed.measure.monitor import read_steal, steal_share
 
     assert steal_share((100, 1000), (150, 2000)) == pytest.approx(0.05)
     assert steal_share((5, 10), (5, 10)) == 0.0  # no time passed: no share, no division by zero
@@ -51,8 +51,8 @@ def test_steal_share_is_the_hypervisors_jiffies_over_all():
 
 
 def test_a_busy_host_verdict_names_the_hypervisors_steal_and_the_monitor_measures_it():
-    from testbed.fidelity import CPU_BUSY_MAX, verdict
-    from testbed.monitor import Monitor, Sample
+    from testbed.measure.fidelity import CPU_BUSY_MAX, verdict
+    from testbed.measure.monitor import Monitor, Sample
 
     ok, reasons = verdict([], [], CPU_BUSY_MAX + 0.05, [], cpu_own=0.4, cpu_steal=0.2)
     assert not ok and "the hypervisor's steal 20%" in reasons[0]

@@ -93,7 +93,9 @@ def test_a_bad_topology_is_refused_first(capsys, ckpt, tmp_path):
 
 
 def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, tmp_path):
-    from testbed import cleanup, experiment, report
+    from testbed.fabric import cleanup
+    from testbed.experiments import ablation as experiment
+    from testbed.measure import report
 
     seen: dict[str, Path] = {}
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import testbed.cluster as cluster_mod
-from testbed.cluster import Cluster
+import testbed.cluster.processes as cluster_mod
+from testbed.cluster.processes import Cluster
 
 
 def _bare_cluster(loop: asyncio.AbstractEventLoop, mounts: dict[Path, int]) -> Cluster:

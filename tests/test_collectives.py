@@ -22,7 +22,7 @@ from emulators import dscp_marking
 from emulators.gpu.collectives import NoCollective, collective_traffic, expected_remote_nodes
 from emulators.gpu.cost import dilation
 from emulators.gpu.models import MODELS
-from testbed.collectives import collective_rows, collective_stats
+from testbed.measure.collectives import collective_rows, collective_stats
 from testbed.topology import TopologyError, load_topology, parse_topology
 from tests.conftest import REPO
 from tests.test_emulated_time import DECODE, K, PREFILL, VirtualTime, _oracle_items
@@ -109,8 +109,8 @@ def test_collectives_on_a_data_parallel_target_is_a_one_line_error():
 
 
 def test_groups_and_peers_of_a_fabric_plan():
-    from testbed.cluster import collective_configs
-    from testbed.fabric import engine_groups, plan
+    from testbed.cluster.processes import collective_configs
+    from testbed.fabric.network import engine_groups, plan
 
     eps = plan(load_topology(TOPOLOGIES / "2p1d.yaml"))
     groups = engine_groups(eps)

@@ -20,7 +20,7 @@ from dualpath.kv.plugin import (
     load_plugin, parse_spec, resolve,
 )
 from testbed import cli
-from testbed.report import failed_checks
+from testbed.measure.report import failed_checks
 from testbed.topology import TopologyError, load_topology
 from tests.conftest import REPO
 

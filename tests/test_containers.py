@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed import containers, node_image
-from testbed.cleanup import clean, find_leftovers
+from testbed.fabric import containers
+
+from testbed.fabric import node_image
+from testbed.fabric.cleanup import clean, find_leftovers
 from testbed.topology import ContainerLimitsSpec, LimitsSpec, TopologyError, load_topology
 from tests.conftest import REPO, dualpath, is_root
 
@@ -190,7 +192,7 @@ def _in(fab, ns: str, code: str, timeout: float = 60) -> str:
 def _htb_root_bytes(dev: str, ns: str) -> int:
     """Bytes the NIC's HTB root class (1:1, both classes under it) has sent."""
     from emulators.nic import parse_class_stats
-    from testbed.shell import run
+    from testbed.fabric.shell import run
 
     return parse_class_stats(run(["tc", "-s", "class", "show", "dev", dev], ns=ns))["1:1"]
 
@@ -199,8 +201,8 @@ def _htb_root_bytes(dev: str, ns: str) -> int:
 def test_containers_wire_a_two_node_fabric(no_leftovers, tmp_path):
     """Each namespace is its container's; a node process runs in its container (cgroups, image,
     hostname) and its bytes cross the shaped NICs; the limits reach the cgroups; nothing is left."""
-    from testbed.fabric import Fabric
-    from testbed.shell import run
+    from testbed.fabric.network import Fabric
+    from testbed.fabric.shell import run
 
     limits = ContainerLimitsSpec(engine=LimitsSpec(cpus=0.5, memory_gib=1.0), host=LimitsSpec(cpu_shares=512))
     with Fabric(_docker_topology(limits), shares=[tmp_path]) as fab:

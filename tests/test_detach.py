@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from testbed import rundir
+from testbed.fabric import rundir
 from testbed.api import Testbed
-from testbed.cleanup import find_leftovers
+from testbed.fabric.cleanup import find_leftovers
 from tests.conftest import dualpath, needs_root
 
 pytestmark = needs_root
@@ -82,7 +82,7 @@ def test_a_fabric_only_bring_up_does_not_import_torch(no_leftovers):
     from tests.conftest import REPO
 
     code = ("import sys\nfrom testbed import Testbed\nwith Testbed('1p1d') as tb:\n"
-            "    print(sorted(m for m in ('torch', 'testbed.cluster') if m in sys.modules))\n")
+            "    print(sorted(m for m in ('torch', 'testbed.cluster.processes') if m in sys.modules))\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout

@@ -9,11 +9,11 @@ from dualpath.model.tiny import DEMO, make_tiny_checkpoint
 from dualpath.store.checksum import checksum
 from dualpath.workload import demo_workload, generate
 from emulators.kvstore.blockfile import decode_header
-from testbed.cluster import Cluster
-from testbed.conductor import Conductor
-from testbed.experiment import _router, run_e2e, run_geometry, summarize
-from testbed.runclock import RunClock
-from testbed.fabric import Fabric
+from testbed.cluster.processes import Cluster
+from testbed.cluster.conductor import Conductor
+from testbed.experiments.ablation import _router, run_e2e, run_geometry, summarize
+from testbed.cluster.runclock import RunClock
+from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
 
@@ -33,7 +33,7 @@ def workload():
 
 @pytest.fixture(scope="module")
 def summary(checkpoint, workload, tmp_path_factory):
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import clean, find_leftovers
 
     if not find_leftovers().empty():
         clean(verbose=False)
@@ -127,7 +127,7 @@ def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_clea
         assert all(r.de != "dpt-d0e0" for r in recs if not r.error and r.attempts > 1)  # retried elsewhere
         assert all(not r.tokens for r in recs if r.error)  # a failed request returns no tokens
         # what completed is right
-        from testbed.verify import Reference
+        from testbed.cluster.verify import Reference
         ref = Reference(str(checkpoint), geom)
         for r in recs:
             if not r.error:
@@ -157,7 +157,7 @@ def test_asking_for_rdma_without_it_fails_loudly(no_leftovers, transport):
 def scheduled(checkpoint, tmp_path_factory):
     """dualpath and dualpath-split through the live scheduler service, with a compute quota small
     enough that cold first turns must be chunked."""
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import clean, find_leftovers
 
     if not find_leftovers().empty():
         clean(verbose=False)

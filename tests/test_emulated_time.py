@@ -15,7 +15,7 @@ from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.model.tiny import DEMO, make_tiny_checkpoint
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
-from testbed.fidelity import verdict
+from testbed.measure.fidelity import verdict
 
 K = 3.125  # a dilation
 PREFILL = AttentionCostModel(intercept=0.03, per_new=1e-4, per_pair=2e-9, per_cached=1e-7)

@@ -9,9 +9,9 @@ import pytest
 
 from dualpath.naming import PREFIX
 from emulators.nic import parse_class_stats
-from testbed.cleanup import find_leftovers
-from testbed.fabric import Fabric, FabricBusy
-from testbed.shell import run
+from testbed.fabric.cleanup import find_leftovers
+from testbed.fabric.network import Fabric, FabricBusy
+from testbed.fabric.shell import run
 from testbed.topology import load_topology
 from tests.conftest import CLI, REPO, dualpath, needs_root
 
@@ -154,7 +154,7 @@ def test_up_refuses_over_a_live_testbed_and_over_leftovers(no_leftovers):
     """A second bring-up names the live one's owner; with no owner, it names what a dead run
     left and points at `dualpath clean`. Nothing is built over either, and the refused command
     leaves no claim behind."""
-    from testbed import rundir
+    from testbed.fabric import rundir
 
     p = _start_runner()
     try:

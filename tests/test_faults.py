@@ -11,9 +11,9 @@ import pytest
 
 from dualpath.store.checksum import WRITE_ALGO, checksum
 from emulators.kvstore.blockfile import encode_header
-from testbed.conductor import RequestRecord
-from testbed.fabric import plan
-from testbed.faults import (
+from testbed.cluster.conductor import RequestRecord
+from testbed.fabric.network import plan
+from testbed.cluster.faults import (
     FaultError, FaultLog, block_intact, fill_disk, flip_bit, free_disk, lost_blocks, parse_fault, parse_faults,
     topology_names,
 )
@@ -143,7 +143,7 @@ def _block(root: Path, key: str, payload: bytes) -> Path:
 def test_lost_blocks_are_those_that_do_not_read_back_whole(tmp_path):
     roots = [tmp_path / "s0", tmp_path / "s1"]
     keys = [f"{i:032x}" for i in range(1, 9)]
-    from testbed.faults import server_of
+    from testbed.cluster.faults import server_of
     for k in keys:
         _block(roots[server_of(k, 2)], k, os.urandom(512))
     assert lost_blocks(roots, frozenset(keys)) == []

@@ -17,11 +17,11 @@ import pytest
 from dualpath.nodes.common import collective_port
 from dualpath.traffic_classes import KV, MODEL
 from emulators.nic import class_for
-from testbed.cluster import CONTROL_PORT
-from testbed.counters import class_bytes, dscp_counters
-from testbed.fabric import Fabric
-from testbed.kvload import KvLoad
-from testbed.shell import ns_argv
+from testbed.cluster.processes import CONTROL_PORT
+from testbed.fabric.counters import class_bytes, dscp_counters
+from testbed.fabric.network import Fabric
+from testbed.experiments.kvload import KvLoad
+from testbed.fabric.shell import ns_argv
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
 
@@ -58,7 +58,7 @@ def _htb(fab: Fabric, eng: str, qos: bool) -> dict[str, int]:
 # otherwise clean it away underneath its owner (mininet's stop then waits on dead shells forever)
 @pytest.fixture(scope="class")
 def fabric():
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import clean, find_leftovers
 
     if not find_leftovers().empty():
         clean(verbose=False)
@@ -109,7 +109,7 @@ class TestOnTheWire:
 def test_engines_run_one_collective_per_layer_of_every_pass_and_step(tmp_path, no_leftovers):
     from dualpath.model.tiny import DEMO, make_tiny_checkpoint
     from dualpath.workload import demo_workload, generate
-    from testbed.experiment import run_e2e, run_geometry, summarize
+    from testbed.experiments.ablation import run_e2e, run_geometry, summarize
 
     ckpt = make_tiny_checkpoint(tmp_path / "ck", seed=0, kind="qwen2", **DEMO)
     wl = generate(demo_workload(seed=1, n_trajectories=2, turns_mean=2.0, turns_min=2))

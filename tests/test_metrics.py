@@ -1,8 +1,8 @@
 """Latencies from token timestamps, percentiles, busy time, and the fidelity verdict's arithmetic."""
 import pytest
 
-from testbed.fidelity import LinkUse, link_use, payload_share, verdict
-from testbed.metrics import busy_time, percentiles, token_latencies
+from testbed.measure.fidelity import LinkUse, link_use, payload_share, verdict
+from testbed.measure.metrics import busy_time, percentiles, token_latencies
 
 
 def test_token_latencies_of_a_synthetic_timeline():
@@ -73,7 +73,7 @@ def test_overran_steps_are_counted_in_the_reason():
 
 
 def test_one_overrun_in_a_hundred_is_tolerated_and_said_more_is_unfaithful():
-    from testbed.fidelity import tolerated
+    from testbed.measure.fidelity import tolerated
 
     ok_pass = {"overran": False, "late_s": 0.001, "held_s": 0.1}
     slip = {"overran": True, "late_s": 0.02, "held_s": 0.1}

@@ -4,7 +4,7 @@ import pytest
 
 def test_profile_fits_a_cost_model_on_the_engine_loop(tmp_path):
     from dualpath.model.tiny import make_tiny_checkpoint
-    from testbed.profile import profile
+    from testbed.calibrate.profile import profile
 
     res = profile(make_tiny_checkpoint(tmp_path / "ckpt"), quota_s=0.05, reps=1)
     m = res["cost_model"]

@@ -116,7 +116,7 @@ def test_device_names_fit_ucx_and_a_longer_one_is_refused_loudly():
 
 
 def test_every_rdma_nic_of_the_shipped_topologies_gets_a_name_ucx_can_use():
-    from testbed.fabric import Fabric
+    from testbed.fabric.network import Fabric
     from testbed.topology import load_topology
 
     for path in sorted((Path(__file__).resolve().parents[1] / "topologies").glob("*.yaml")):
@@ -204,8 +204,8 @@ def test_rxe_mtu_follows_the_kernel():
 
 def test_roce_headers_are_counted_per_packet(monkeypatch):
     """kv payload on a NIC = wire bytes - 58 per RoCE packet (rxe's own count) - 66 per TCP one."""
-    from testbed import counters
-    from testbed.fabric import Nic
+    from testbed.fabric import counters
+    from testbed.fabric.network import Nic
 
     nic = Nic("cnic", "dpt-p0e0", "dpt-p0e0-cnic", "dpt-cbr-p0e0", "10.77.0.2", 10**9, True)
 
@@ -276,8 +276,8 @@ def test_fallback_control_counts_only_a_failure_the_counters_saw(monkeypatch):
     """The negative control of `check --rdma` is caught only when the rxe devices were read and
     sent too few packets; counters that could not be read at all (measured in the VM, from
     inside an engine's namespace) fail every run alike, and so tell nothing."""
-    import testbed.benches as benches
-    from testbed.rdma_preflight import _fallback_control
+    import testbed.calibrate.benches as benches
+    from testbed.fabric.rdma_preflight import _fallback_control
 
     unread = rdma.prove({}, {"a": 8 << 20}, 4096)
     silent = rdma.prove({"a": {"sent_pkts": 0}}, {"a": 8 << 20}, 4096)
@@ -308,8 +308,8 @@ def test_the_rxe_topology_pins_what_the_vm_can_hold():
 def test_fallback_control_counts_an_agent_ucx_refused_as_caught(monkeypatch):
     """Without tcp in UCX_TLS an unpreloaded agent cannot fall back: UCX finds no transport and
     the initiator dies (measured in the VM: exit -11 after "no usable transports/devices")."""
-    import testbed.benches as benches
-    from testbed.rdma_preflight import _fallback_control
+    import testbed.calibrate.benches as benches
+    from testbed.fabric.rdma_preflight import _fallback_control
 
     def refuse(*a, **k):
         raise RuntimeError("transport benchmark initiator failed (exit -11): ucp_context.c:1770 UCX ERROR no "

@@ -29,8 +29,8 @@ def text_ckpt(tmp_path_factory, smollm2_dir) -> Path:
 
 def test_records_carry_the_text_of_every_request(text_ckpt, tmp_path):
     from dualpath.workload.text import decode, has_chat_template, text_workload
-    from testbed.cleanup import clean, find_leftovers
-    from testbed.experiment import run_to_folder
+    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.experiments.ablation import run_to_folder
     from testbed.paths import code_version
     from testbed.topology import load_topology
 

@@ -20,7 +20,7 @@ import pytest
 import typer
 
 from testbed import cli
-from testbed.conductor import RequestRecord
+from testbed.cluster.conductor import RequestRecord
 from tests.conftest import REPO
 
 TOPO = REPO / "topologies" / "1p1d.yaml"
@@ -66,13 +66,13 @@ def _records(wl, mode: str) -> list[RequestRecord]:
 
 
 def _results(wl, modes=("basic", "dualpath")):
-    from testbed.experiment import ModeResult
+    from testbed.experiments.ablation import ModeResult
 
     return [ModeResult(m, _records(wl, m), 1.0, None, 0, 0.0, 0.0) for m in modes]
 
 
 def _write(results, checkpoint: Path, run_dir: Path) -> list[dict]:
-    from testbed import experiment
+    from testbed.experiments import ablation as experiment
 
     summary = {"checkpoint": str(checkpoint), "dilation": 1.0, "modes": {}}
     experiment.write_results(results, summary, run_dir, "test")
@@ -103,8 +103,8 @@ def test_a_model_without_a_tokenizer_writes_no_text(wl, tiny, tmp_path):
 
 
 def test_the_report_shows_one_conversation(wl, smollm2_dir):
-    from testbed.experiment import EXCERPT_CHARS, conversation
-    from testbed.report import conversation_lines
+    from testbed.experiments.ablation import EXCERPT_CHARS, conversation
+    from testbed.measure.report import conversation_lines
 
     c = conversation(_results(wl), smollm2_dir, wl)
     assert c["mode"] == "dualpath" and c["trajectory"] == 0 and c["title"] == wl.trajectories[0].title

@@ -77,7 +77,7 @@ def test_match_runs_by_digest_then_key(tmp_path):
 @pytest.mark.parametrize("fig_id", IDS)
 @pytest.mark.parametrize("quick", [True, False])
 def test_every_plan_is_runnable_as_written(fig_id, quick):
-    from testbed.conductor import MODES
+    from testbed.cluster.conductor import MODES
 
     mod = module(fig_id)
     plan = mod.plan(quick)

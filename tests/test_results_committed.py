@@ -45,7 +45,7 @@ def test_a_run_with_one_unfaithful_mode_is_not_faithful():
 
 
 def test_the_report_states_the_run_verdict_first():
-    from testbed.report import run_verdict
+    from testbed.measure.report import run_verdict
 
     ok = {"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": True}}}
     bad = {"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": False}}}

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed import detach, rundir
+from testbed import detach
+
+from testbed.fabric import rundir
 from testbed.api import TestbedError
 
 
@@ -123,7 +125,7 @@ def test_a_run_in_progress_has_a_live_owner_and_a_killed_one_has_none(run_dir):
     """The suite's start sweeps a killed run's leftovers but must leave a live run alone (it once
     tore down a reproduce that was running beside it). A bare Fabric (as tests use one) claims no
     run directory: its Mininet shells' parent is what says it is alive."""
-    from testbed.cleanup import MININET_TAG, live_owners
+    from testbed.fabric.cleanup import MININET_TAG, live_owners
 
     owner = subprocess.Popen(["bash", "-c", f"exec -a '{MININET_TAG}ztest' sleep 30 & echo $!; wait"],
                              stdout=subprocess.PIPE, text=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.benches.scheduler import bench_decision_cost, main
+from testbed.calibrate.benches.scheduler import bench_decision_cost, main
 
 
 @pytest.mark.parametrize("policy", ["shorter", "split"])

@@ -6,8 +6,8 @@ misplaced unit is off by 1000x, a missing direction runs at the peer's rate.
 """
 import pytest
 
-from testbed.check import check
-from testbed.fabric import Fabric
+from testbed.calibrate.check import check
+from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
 from tests.conftest import REPO, needs_root
 
@@ -16,7 +16,7 @@ pytestmark = needs_root
 
 @pytest.fixture(scope="module")
 def report():
-    from testbed.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import clean, find_leftovers
 
     if not find_leftovers().empty():
         clean(verbose=False)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from testbed import sim_validate as sv
+from testbed.sim import validate as sv
 from tests.conftest import REPO
 
 
@@ -121,7 +121,7 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
     """Fitting on an online run must simulate its Poisson arrivals, not start every agent at once:
     the simulated run then lasts at least until its last agent arrived."""
     from dualpath.workload import poisson_arrivals
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
     from testbed.reproduce.runs import load_run
 
     run = load_run(REPO / "results" / "e2e" / "online-1p1d-io-1.5aps")
@@ -137,7 +137,7 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
     a run of one of them is not held out whatever made it (fig9's x1 run under a reproduce
     topology name is the ladder's configuration), and another workload or topology is. A
     calibration without the records is judged by (topology name, online) alone."""
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
     from testbed.reproduce.runs import load_run
 
     e2e = REPO / "results" / "e2e"
@@ -178,7 +178,7 @@ def test_a_median_between_two_modes_is_named_in_the_report():
     """Round-robin's TTFTs are two modes of equal size (PE-side and DE-side reads): the median falls
     in the gap, where one request moves it. The row keeps its error (the targets still judge it) and
     the report names the gap with the quantiles around it; a unimodal row gets no such line."""
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
 
     two_modes = [0.5 + 0.01 * i for i in range(50)] + [1.8 + 0.01 * i for i in range(50)]
     one_mode = [0.5 + 0.01 * i for i in range(100)]
@@ -227,7 +227,7 @@ def test_the_report_says_whether_the_calibration_was_fitted_on_the_runs_code(tmp
     """A calibration fitted on runs 226 commits older than the runs it was validated against
     modelled a testbed that was gone (every lightly loaded pass came out long): the report says
     whether the calibration's runs, read from the folders it names, were made on the same code."""
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
 
     a, b = "a" * 40, "b" * 40
     runs = {"r1": {"commit": a, "dirty": False}}
@@ -251,7 +251,7 @@ def test_the_report_names_a_row_whose_prediction_moves_more_than_its_target():
     """Round-robin on 1p2d-io once moved its JCT from -5.8 % to +1.9 % when one write-back latency
     moved by 10 %: the order of events, not the rates, placed it. Every row gets the band of its
     prediction over the fitted latencies moved one at a time; a band wider than the target is named."""
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
 
     cal = Calibration(rpc_s=1e-3, flush_fixed_s=2e-3, source={"run": "r"})
     nudged = sv.nudged_calibrations(cal)
@@ -280,7 +280,7 @@ def test_repeats_of_one_configuration_are_compared_as_their_mean(tmp_path):
     listing each; a run of another workload is a configuration of its own."""
     import shutil
 
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
     from testbed.reproduce.runs import load_run
 
     src = REPO / "results" / "e2e" / "repeat-1p2d-io-rr-1"
@@ -316,7 +316,7 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
     import dataclasses
     import shutil
 
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
     from testbed.reproduce.runs import load_run
 
     assert sv.dispersion([1.0] * 10) == 0.0 and sv.dispersion([1.0, 2.0]) is None
@@ -345,8 +345,8 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
     nothing beyond it; one 5 ms sooner sent 5 ms of the rate more (payload). A burst folder of
     another topology, or no burst folder at all, is refused; a negative mean counts as 0."""
     from emulators.nic import burst_bytes
-    from testbed.benches.burst import extra_bytes
-    from testbed.fidelity import payload_share
+    from testbed.calibrate.benches.burst import extra_bytes
+    from testbed.measure.fidelity import payload_share
 
     share, rate, n = payload_share(9000), 48e6, 1_200_000
     model = (n / share - burst_bytes(48_000_000, 9000)) * 8 / rate

@@ -1,4 +1,4 @@
-"""The simulator's cluster (emulators/sim/cluster.py, network.py) and its testbed glue (testbed/sim.py):
+"""The simulator's cluster (simulator/cluster.py, network.py) and its testbed glue (testbed/sim/drive.py):
 the lazy flow network against the reference flow model, hand-solved cases, and whole runs that
 must keep the testbed's invariants."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from hypothesis import given, settings, strategies as st
 
 import dualpath.scheduler.core as core
 from dualpath.traffic_classes import KV, MODEL
-from emulators.sim import cluster as sim_cluster
-from emulators.sim.calibration import UNCALIBRATED, Calibration
-from emulators.sim.flows import Flow, FlowNetwork, Link
-from emulators.sim.network import FastFlowNetwork
-from testbed.sim import sim_config, simulate, summarize, trajectories
+from simulator import cluster as sim_cluster
+from simulator.calibration import UNCALIBRATED, Calibration
+from simulator.flows import Flow, FlowNetwork, Link
+from simulator.network import FastFlowNetwork
+from testbed.sim.drive import sim_config, simulate, summarize, trajectories
 from testbed.topology import load_topology
 from dualpath.workload import demo_workload
 from tests.test_sim_flows import networks

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from dualpath.traffic_classes import KV, MODEL
 from emulators import nic
-from emulators.sim.flows import (
+from simulator.flows import (
     Flow, FlowNetwork, Link, SimFlowNetwork, guaranteed_fraction, link_loads, max_min_rates,
 )
 
@@ -148,7 +148,7 @@ def test_on_a_fifo_hop_the_classes_share_fairly_even_behind_a_qos_hop():
 
 def test_an_unsettled_fixed_point_warns_and_still_respects_every_link(monkeypatch):
     # The case above needs a second fill (f's kv share on the FIFO link is below its guarantee).
-    import emulators.sim.flows as flows_mod
+    import simulator.flows as flows_mod
 
     monkeypatch.setattr(flows_mod, "MAX_FIXED_POINT_ITERATIONS", 1)
     cnic, fifo = Link("cnic", 255 * B), Link("snic", 255 * B, qos=False)
@@ -390,7 +390,7 @@ def networks(draw, max_flows=14):
 
 
 # derandomize: a fresh random search once drew a 5-link, 7-flow network on which the QoS
-# allocation did not settle in 200 fills (a known limit of emulators/sim/flows.py, in the
+# allocation did not settle in 200 fills (a known limit of simulator/flows.py, in the
 # closing note of stop 20); CI runs the same 1000 examples every time until that is fixed.
 @settings(max_examples=1000, deadline=None, derandomize=True)
 @given(networks())

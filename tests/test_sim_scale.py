@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.reproduce import fig15, scale, table3
-from testbed.sim import trajectories
+from testbed.sim.drive import trajectories
 from dualpath.workload import demo_workload
 
 

@@ -1,5 +1,5 @@
-"""The simulator replaying a Mooncake-format trace (emulators/sim/cluster.py's trace agents,
-testbed/sim.py's trace_trajectories / simulate(trace=) / run_sim_to_folder(trace=)): one store of
+"""The simulator replaying a Mooncake-format trace (simulator/cluster.py's trace agents,
+testbed/sim/drive.py's trace_trajectories / simulate(trace=) / run_sim_to_folder(trace=)): one store of
 block keys shared by every agent, turns at their trace times but never before the previous
 answer, and a run's hit rate against the one the trace's prefixes allow."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from dualpath.workload.trace import TraceSpec, load_trace
-from emulators.sim.calibration import UNCALIBRATED
-from emulators.sim.cluster import ClusterSim, TraceTurn, TrajectorySpec
-from testbed.modes import PATH_POLICY, connector_of
-from testbed.sim import RUN_BLOCK_TOKENS, run_sim_to_folder, sim_config, simulate, trace_summary, trace_trajectories
+from simulator.calibration import UNCALIBRATED
+from simulator.cluster import ClusterSim, TraceTurn, TrajectorySpec
+from testbed.cluster.modes import PATH_POLICY, connector_of
+from testbed.sim.drive import RUN_BLOCK_TOKENS, run_sim_to_folder, sim_config, simulate, trace_summary, trace_trajectories
 from testbed.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.benches.store_fio import FIO, bench_store_vs_fio
+from testbed.calibrate.benches.store_fio import FIO, bench_store_vs_fio
 
 
 @pytest.mark.skipif(not os.access(FIO, os.X_OK), reason="fio not installed")

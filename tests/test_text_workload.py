@@ -78,7 +78,7 @@ def test_appends_close_the_reply_and_open_the_next(wl, tok):
 
 def test_runs_as_the_conductor_consumes_it(wl):
     for tr in wl:
-        turns = [(list(u.append), u.gen_len) for u in tr.turns]  # what testbed/experiment.py passes
+        turns = [(list(u.append), u.gen_len) for u in tr.turns]  # what testbed/experiments/ablation.py passes
         gen = [[7] * g for _, g in turns]
         ctx = list(wl.system_prompt)
         for t, (append, g) in enumerate(turns):

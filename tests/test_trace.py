@@ -276,8 +276,8 @@ def test_online_warm_up_persists_only_what_simultaneous_first_turns_share(tmp_pa
 
 
 def test_a_trace_runs_summary_names_its_trace_again(tmp_path):
-    """`sim --validate` re-reads a trace run's trace from its summary (testbed.sim.trace_of_run)."""
-    from testbed.sim import trace_of_run
+    """`sim --validate` re-reads a trace run's trace from its summary (testbed.sim.drive.trace_of_run)."""
+    from testbed.sim.drive import trace_of_run
 
     rows, _ = known_trace()
     spec = TraceSpec(str(write(tmp_path / "t.jsonl", rows)), length_scale=16, window=(0.0, 9.0), time_scale=2.0)

@@ -29,8 +29,8 @@ from dualpath.transport import (
     rdma_devices,
 )
 from dualpath.transport.agent import Transfer
-from testbed.fabric import TCP_SYSCTLS
-from testbed.benches.transport_nixl import CONTROL_PORT
+from testbed.fabric.network import TCP_SYSCTLS
+from testbed.calibrate.benches.transport_nixl import CONTROL_PORT
 from emulators import dscp_marking
 from emulators.nic import CLASS_IDS, NicShape, htb_batch, parse_class_stats
 
@@ -360,7 +360,7 @@ def _counters(ns: str, dev: str) -> tuple[int, int]:
 
 def _bench(ns: str, role: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     iface = VETH_A if ns == NS_A else VETH_B
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "testbed.benches.transport_nixl",
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "testbed.calibrate.benches.transport_nixl",
            "--role", role, "--iface", iface, "--timeout", "20", *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     full_env.update(env or {})

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from testbed.benches.ucx_perftest import MB, in_class, parse_final
+from testbed.calibrate.benches.ucx_perftest import MB, in_class, parse_final
 from tests.conftest import dualpath, is_root
 
 FINAL = """+--------------+--------------+------------------------------+---------------------+-----------------------+

@@ -7,9 +7,9 @@ import pytest
 
 from dualpath.model import Transformer
 from dualpath.model.tiny import make_tiny_checkpoint
-from testbed.conductor import RequestRecord
-from testbed.experiment import ModeResult, run_geometry, verify
-from testbed.verify import _layer_hashes
+from testbed.cluster.conductor import RequestRecord
+from testbed.experiments.ablation import ModeResult, run_geometry, verify
+from testbed.cluster.verify import _layer_hashes
 
 
 @pytest.fixture(scope="module")

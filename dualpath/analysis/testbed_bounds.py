@@ -2,7 +2,7 @@
 
 The paper counts a CNIC's PCIe reads and writes and a node's DRAM bandwidth. The testbed has
 neither: every NIC is a veth shaped by HTB in each direction on its own (tx on the namespace end,
-rx on the bridge end, testbed/fabric.py), so its resources are, per direction,
+rx on the bridge end, testbed/fabric/network.py), so its resources are, per direction,
 
     every node's SNIC (s*B), every node's host port (min(g*B, M): the DRAM side of its CNICs),
     every engine's CNIC (B), and the storage servers' NICs (the cluster's, shared by all nodes).

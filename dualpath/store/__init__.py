@@ -3,7 +3,7 @@
 keys: chained prefix keys; striping: key -> server; protocol: wire frames;
 checksum: block checksums (CRC-32C, CRC-32 of older blocks);
 client: put/get_many; errors: typed errors. (A node's pending reads are counted by its read
-queue, dualpath/nodes/read_queue.py; the benchmark against fio is testbed/benches/store_fio.py.)
+queue, dualpath/nodes/read_queue.py; the benchmark against fio is testbed/calibrate/benches/store_fio.py.)
 """
 from .client import StoreClient
 from .errors import (

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Build the Debian layer of the node image for `hosts: docker` from Debian packages alone, and
-# load it into the testbed's own Docker daemon (testbed/containers.py starts that daemon;
-# testbed/node_image.py runs this script, then adds the venv and the checkout as layers of their own).
+# load it into the testbed's own Docker daemon (testbed/fabric/containers.py starts that daemon;
+# testbed/fabric/node_image.py runs this script, then adds the venv and the checkout as layers of their own).
 #   root file system: Debian 12 (bookworm, Python 3.11: the host venv's interpreter) by
 #                     debootstrap --variant=minbase, plus the packages below
 # usage: scripts/docker/build-image.sh DOCKER_SOCKET [--force]        (as root)

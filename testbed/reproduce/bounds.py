@@ -28,7 +28,7 @@ import numpy as np
 from dualpath.analysis import method
 from dualpath.analysis.bounds import paper_model
 from dualpath.analysis.testbed_bounds import SNIC_RX, members
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce.common import Headline, Result, UsedRun
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
@@ -93,7 +93,7 @@ def loaded_window(records: list[dict]) -> tuple[float, float] | None:
 
 def nic_roles(topo) -> dict[str, tuple[str, str, float]]:
     """Every emulated NIC's name in links.jsonl ("dpt-p0e0/cnic") -> (role, kind, rate bit/s)."""
-    from testbed.fabric import plan as fabric_plan
+    from testbed.fabric.network import plan as fabric_plan
 
     return {f"{n.ns}/{n.kind}": (ep.role, n.kind, float(n.rate_bps)) for ep in fabric_plan(topo) for n in ep.nics}
 

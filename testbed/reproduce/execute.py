@@ -45,7 +45,7 @@ def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[
                checkpoint: Path | None = None) -> Run:
     """One config as one `dualpath run` into run_dir (needs root and the testbed)."""
     from testbed.api import demo_checkpoint
-    from testbed.experiment import run_geometry, run_to_folder
+    from testbed.experiments.ablation import run_geometry, run_to_folder
 
     topo = cfg.topology_obj()
     ckpt = checkpoint or demo_checkpoint()

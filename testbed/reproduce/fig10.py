@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import online
 from testbed.reproduce.common import Headline, Result, ratio
 from testbed.reproduce.fig10 import used_of

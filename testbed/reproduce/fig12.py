@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, mean, median
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, mean, median
 from testbed.reproduce.fig13 import LINK_SCALE, TOPOLOGY

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import scale
 from testbed.reproduce.common import Headline, Result
 from testbed.reproduce.plan import Plan

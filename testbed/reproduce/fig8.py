@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
 from testbed.reproduce.plan import PAPER_SCALE, Plan, RunConfig, WorkloadSpec

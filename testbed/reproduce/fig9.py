@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce import projection as projection_
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
@@ -109,7 +109,7 @@ def render(ser: dict, out: Path) -> list[str]:
     return pngs
 
 
-# The paper's model on the same cluster, in the simulator (emulators/sim, with the committed
+# The paper's model on the same cluster, in the simulator (simulator, with the committed
 # calibration): what fig9 would show if this host could run it. deepseek-v3 stands in for DS 660B
 # (V3.2): the simulator's decode model is linear in the context, so DSA's top-2048 cap is not
 # modelled, and at these scaled contexts (MaxLen 2,048) V3.2 attends to every token as V3 does.
@@ -139,7 +139,7 @@ def projection() -> dict | None:
                 done[cfg.digest()] = {"scale": sc, **sim, "speedup": ratio(j["basic"], j["dualpath"])}
             out[side].append(done[cfg.digest()])
     testbed = RunConfig("x", TOPOLOGY, ("basic",), WorkloadSpec(), topology_overrides=dict(IO_1P1D_OVERRIDES))
-    from testbed.sim import Geometry
+    from testbed.sim.drive import Geometry
 
     out["testbed_dilation"] = testbed.topology_obj().dilation(Geometry().kv_bytes_per_token)
     return out
@@ -151,7 +151,7 @@ def projection_section(pj: dict) -> str:
             for side in ("append", "gen") for p in pj[side]]
     return "\n".join([
         "## Projection: the paper's model, simulated", "",
-        f"Not a testbed result: `emulators/sim` with `results/sim/{pj['calibration']}`, on the same 1P1D with "
+        f"Not a testbed result: `simulator` with `results/sim/{pj['calibration']}`, on the same 1P1D with "
         f"{pj['model']} (standing in for DS 660B) as the target, {pj['agents']} agents of the paper's 64K trace "
         f"(lengths / {PAPER_SCALE}). Its dilation is {x1['dilation']:.3g} (the testbed's runs: "
         f"{pj['testbed_dilation']:.2g} with Qwen2.5-32B), so the x1 run alone would hold this host for "

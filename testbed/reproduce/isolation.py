@@ -1,7 +1,7 @@
 """Isolation: the model's collectives beside saturating KV traffic, QoS on against QoS off.
 
 The paper argues that virtual lanes keep KV transfers from delaying the model's collectives but
-never shows it. One run (testbed/isolation.py) on 1p1d-isolation (DS 660B's per-layer AllToAll
+never shows it. One run (testbed/experiments/isolation.py) on 1p1d-isolation (DS 660B's per-layer AllToAll
 over the CNICs, model class) runs one workload in three conditions: idle (no KV traffic), under a
 saturating kv-class load into every CNIC with QoS on, and the same load with `qos: off`. From it:
 collective latency p50/p99, forward-pass time (prefill passes and decode steps), TTFT and TPOT per
@@ -26,16 +26,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from testbed import plots
-from testbed.collectives import collective_rows
-from testbed.metrics import percentiles
+from testbed.measure import plots
+from testbed.measure.collectives import collective_rows
+from testbed.measure.metrics import percentiles
 from testbed.reproduce.common import Headline, Result, UsedRun, ratio
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
 ID = "isolation"
 TITLE = "Collectives beside saturating KV traffic: QoS on vs QoS off"
 TOPOLOGY = "1p1d-isolation"
-CONDITIONS = ("idle", "qos_on", "qos_off")  # = testbed.isolation.CONDITIONS (not imported: it needs the testbed)
+CONDITIONS = ("idle", "qos_on", "qos_off")  # = testbed.experiments.isolation.CONDITIONS (not imported: it needs the testbed)
 LABELS = {"idle": "idle (no KV traffic)", "qos_on": "KV load, QoS on", "qos_off": "KV load, QoS off"}
 COLORS = {"idle": "#55a868", "qos_on": "#4c72b0", "qos_off": "#c44e52"}
 ON_MAX = 1.1  # QoS on: at most this times idle
@@ -66,7 +66,7 @@ def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[
                checkpoint: Path | None = None):
     """The isolation run of `cfg` into run_dir (root, the testbed): the executor's runner for this id."""
     from testbed.api import demo_checkpoint
-    from testbed.isolation import run_isolation
+    from testbed.experiments.isolation import run_isolation
     from testbed.reproduce.execute import build_workload
     from testbed.reproduce.runs import load_run, write_plan
 

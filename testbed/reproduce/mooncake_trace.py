@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio
 from testbed.reproduce.plan import TOPOLOGIES, Plan, RunConfig, WorkloadSpec, in_repo
 from dualpath.workload.trace import TraceSpec
@@ -76,7 +76,7 @@ def simulate(spec: TraceSpec, topo, units: str, cal) -> dict[str, Any]:
     """The trace window in the simulator on `topo` (a Topology): per mode the report's columns,
     and the trace object."""
     from dualpath.workload.trace import load_trace
-    from testbed.sim import mode_summary, sim_config, simulate as run_modes, trace_summary
+    from testbed.sim.drive import mode_summary, sim_config, simulate as run_modes, trace_summary
 
     cfg = sim_config(topo, units=units, cal=cal)
     tw = load_trace(in_repo(spec), cfg.block_size)
@@ -174,7 +174,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
 
 
 def _uncalibrated():
-    from emulators.sim.calibration import UNCALIBRATED
+    from simulator.calibration import UNCALIBRATED
 
     return UNCALIBRATED
 

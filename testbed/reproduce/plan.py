@@ -33,7 +33,7 @@ from dualpath.workload.spec import WorkloadSpec  # noqa: F401  (the configs' voc
 from dualpath.workload.trace import TraceSpec
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
-RUN_BLOCK_TOKENS = 32  # = testbed.experiment.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
+RUN_BLOCK_TOKENS = 32  # = testbed.experiments.ablation.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
 DEMO_KV_BYTES_PER_TOKEN = 2048  # = dualpath.model.tiny.DEMO_KV_BYTES_PER_TOKEN (the demo checkpoint)
 PAPER_SCALE = 32  # the paper presets' lengths are divided by this (64K MaxLen -> 2048, the demo's)
 # The offline figures on 1p1d-io run its links at this scale, stated in the run's name. It is
@@ -52,7 +52,7 @@ MODE_OVERHEAD_S = 2.0  # a mode's warm-up and drain
 VERIFY_S_PER_TOKEN = 9e-5
 READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD", "dualpath-split": "PD",
            "oracle": "",
-           # the isolation run's conditions: each an oracle pass of the workload (testbed/isolation.py)
+           # the isolation run's conditions: each an oracle pass of the workload (testbed/experiments/isolation.py)
            "idle": "", "qos_on": "", "qos_off": ""}
 
 
@@ -229,7 +229,7 @@ def _workload_numbers(spec: WorkloadSpec | TraceSpec) -> dict[str, Any]:
 
 def estimate(cfg: RunConfig) -> dict[str, Any]:
     """Estimated testbed seconds of one config: per mode, and in all (see the module docstring)."""
-    from testbed.fidelity import payload_share
+    from testbed.measure.fidelity import payload_share
 
     topo = cfg.topology_obj()
     wn = _workload_numbers(cfg.trace or cfg.workload)
@@ -265,7 +265,7 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
 
 def io_capacity_aps(cfg: RunConfig, mode: str) -> float:
     """Agents per emulated second the reading storage NICs can serve in `mode` (its I/O bound)."""
-    from testbed.fidelity import payload_share
+    from testbed.measure.fidelity import payload_share
 
     topo = cfg.topology_obj()
     wn = _workload_numbers(replace(cfg.workload))

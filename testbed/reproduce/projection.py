@@ -1,7 +1,7 @@
 """Simulated projections beside a figure's testbed numbers, never in its headline.
 
 Some sizes need more testbed time than this host has (fig7's full turn counts, fig9's paper
-model): the figure then also shows what `emulators/sim`, calibrated on testbed runs
+model): the figure then also shows what `simulator`, calibrated on testbed runs
 (results/sim/calibration.json, `dualpath sim --calibrate`), gives for the same configuration. The
 report says it is simulated and, where a testbed run of a nearby configuration exists, shows the
 simulator's value for that run beside the testbed's so the reader can judge the projection.
@@ -20,7 +20,7 @@ def calibration(path: Path = CALIBRATION):
     """The committed calibration, or None where there is none (a projection is then left out). A
     projection is one simulation: every latency exactly its value (no jitter), so one order of
     events, the same on every machine."""
-    from emulators.sim.calibration import Calibration
+    from simulator.calibration import Calibration
 
     return Calibration.load(path).exact() if path.exists() else None
 
@@ -28,7 +28,7 @@ def calibration(path: Path = CALIBRATION):
 def simulate_config(cfg: RunConfig, cal) -> dict[str, Any]:
     """`cfg`'s modes in the simulator: emulated JCT per mode, the dilation, and the testbed
     seconds the same runs would have held this host."""
-    from testbed.sim import Geometry, sim_config, simulate, trajectories
+    from testbed.sim.drive import Geometry, sim_config, simulate, trajectories
 
     sc = sim_config(cfg.topology_obj(), Geometry(), cal=cal, quota_s=cfg.quota_ms / 1000)
     res = simulate(sc, trajectories(cfg.workload.config(), sc.dilation), cfg.modes)

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dualpath.workload import demo_workload, poisson_arrivals
-from emulators.sim.cluster import TrajectorySpec
-from testbed.sim import SimResult, sim_config, simulate, trajectories, summarize
+from simulator.cluster import TrajectorySpec
+from testbed.sim.drive import SimResult, sim_config, simulate, trajectories, summarize
 from testbed.topology import Topology, load_topology
 
 SIM_TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies" / "sim"
@@ -37,7 +37,7 @@ AGENTS_PER_PE_NODE = {False: 25, True: 5}  # full, --quick
 BASE_PREFILL_NODES = 2  # 2P4D: every cluster's agents are copies of its agents
 START_STAGGER_S = 0.02  # offline start offsets, target seconds (see the docstring)
 ONLINE_LOAD = 0.6  # 2P4D's offered APS as a share of its offline throughput
-PE_GROUPS = "one"  # every PE in one group, as the testbed runs them (testbed.sim.sim_config)
+PE_GROUPS = "one"  # every PE in one group, as the testbed runs them (testbed.sim.drive.sim_config)
 PAPER = {"offline": {"2p4d-paper": {"agents": 2000, "jct_s": 3167.0}, "48p96d": {"agents": 48000, "jct_s": 3201.0}},
          "online": {"2p4d-paper": {"aps": 0.4, "ttft_s": 1.739}, "44p88d": {"aps": 8.8, "ttft_s": 1.847}},
          "scheduler_cores_below": 10.0}

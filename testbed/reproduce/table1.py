@@ -10,7 +10,7 @@ from pathlib import Path
 
 from emulators.gpu import MODELS, Target, gpu
 from emulators.gpu.table1 import PAPER_RANGE, table1_rows
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, fmt
 from testbed.reproduce.plan import Plan

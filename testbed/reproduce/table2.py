@@ -14,7 +14,7 @@ import numpy as np
 
 from dualpath.workload import generate, paper_presets, scaled, workload_stats
 from dualpath.workload.trajectories import sample_turns
-from testbed import plots
+from testbed.measure import plots
 from testbed.reproduce.common import Headline, Result, fmt
 from testbed.reproduce.plan import PAPER_SCALE, RUN_BLOCK_TOKENS, Plan
 

@@ -1,4 +1,4 @@
-"""Table 3: large-scale scalability, simulated (emulators/sim; scale-down in testbed.reproduce.scale).
+"""Table 3: large-scale scalability, simulated (simulator; scale-down in testbed.reproduce.scale).
 
 Offline: 2P4D against 48P96D with 24x the agents; the paper's near-linear scaling is JCT 3,167 s
 against 3,201 s (ratio 1.011): the check is that the simulated ratio is within 10 % of it.

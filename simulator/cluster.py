@@ -1,0 +1,957 @@
+"""The simulator: a DualPath cluster as SimPy processes around the scheduler core, unchanged.
+
+What runs is the testbed's own code where the testbed has it:
+  * `dualpath.scheduler.core.Scheduler` decides (on_request, on_report, pull), driven by the
+    group leaders' loop of dualpath/nodes/leader.py (report every member, pull, hand the
+    assignments on, wait for the doorbell or the heartbeat) and the service's doorbell rule
+    (dualpath.scheduler.service.Doorbell); engines keep `dualpath.nodes.leader.EngineLoad`;
+  * the conductor's request sequence (testbed/cluster/conductor.py): route, buffer areas, loads, prefill,
+    the layers' notifications, decode, write-back; the plan is `dualpath.kv.plan.plan_request`;
+  * the PEs' passes are packed by `dualpath.scheduler.batching.PrefillQueue` under the compute
+    quota, chunking as the conductor does; their windows come from the target's cost model;
+  * decode engines batch every ready request (dualpath/engines/decode.py) and a step lasts the
+    target's `DecodeCostModel.step_cost` of its batch;
+  * every byte moves as a flow over the hops of `dualpath.accounting` (PE and DE path, split,
+    chunk re-reads, write-back) on the max-min link model of flows.py (network.py), a storage
+    NIC per node fed by the node's FIFO read queue (dualpath/nodes/read_queue.py), a server per
+    storage host with its NIC and disk; in a testbed configuration every shaped NIC keeps the
+    HTB bucket emulators/nic.py gives it, so a flow whose links all hold tokens sends its first
+    bytes at once (up to a bucket: 64 KiB and an MTU, or 1 ms of the link) and the rest at the
+    link's rate (a link refills while idle, stays full while its flows leave it capacity to
+    spare, and has none while they fill it); an exposed pass's per-layer READs each find the
+    bucket refilled by the window before them.
+What it models: time. A prefill pass computes layer by layer: layer l + 1's KV is READ while layer
+l computes (layerwise; basic reads every layer first), so a pass whose reads take L * d lasts
+min(d, w) + L * max(d, w) for windows of w; every layer's KV is written toward the DE buffer as it
+is computed. A decode engine's steps between two changes of its batch are summed in closed form
+(a step's cost is linear in its contexts, which grow by one per step), so an engine costs events
+per request, not per token. The testbed's own latencies (control round trips, fixed costs of a
+pass, a step, a load, a flush) come from a Calibration fitted on a testbed run.
+
+Time is the simulated cluster's: testbed seconds for a testbed configuration (the emulated
+seconds times the dilation, as a testbed run keeps them), or the target's seconds (dilation 1).
+Nothing here imports the testbed; `testbed.sim.drive` builds a SimConfig from a topology.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from dualpath.kv.plan import Route, plan_request
+from dualpath.nodes.leader import HEARTBEAT_S, EngineLoad
+from dualpath.scheduler.batching import PrefillQueue
+from dualpath.scheduler.core import Scheduler
+from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
+from dualpath.scheduler.records import EngineReport, Request, Role
+from dualpath.scheduler.service import Doorbell
+from dualpath.scheduler.thresholds import Profile
+
+from .calibration import Calibration
+from .flows import Link
+from .network import SimNetwork
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One cluster and its time base. Rates are payload bit/s; times are the simulation's seconds
+    (testbed seconds when `dilation` is a testbed run's, the target's own when it is 1)."""
+
+    prefill_nodes: int
+    decode_nodes: int
+    engines_per_node: int
+    cnic_bps: float
+    snic_bps: float
+    host_port_bps: float
+    storage_servers: int
+    storage_nic_bps: float
+    disk_bps: float
+    qos: bool
+    kv_bytes_per_token: int  # of the simulated KV (the testbed model's, or the target's)
+    n_layer: int
+    block_size: int
+    dilation: float  # simulation seconds per emulated (target) second
+    prefill_cost: AttentionCostModel  # the target's, emulated seconds
+    decode_cost: DecodeCostModel
+    profile: Profile  # what the scheduler is told (rates per simulation second)
+    alpha_s: float  # the scheduler's alpha and beta, as testbed.experiments.ablation._router passes them
+    beta_s: float
+    quota_s: float  # the compute quota, emulated seconds
+    hbm_tokens: int  # KV tokens per decode engine's HBM
+    buffer_bytes: int  # DRAM buffer per node
+    calibration: Calibration = field(default_factory=Calibration)
+    pe_groups: str = "one"  # "one": every PE in one group (the testbed's); "node": a group per node
+    node_prefix: str = "dpt-"
+    # HTB's token bucket per shaped NIC kind (snic, cnic, host_port, storage_nic), payload bytes:
+    # an idle link's first bytes leave at line rate. Empty: no buckets (the target's own NICs).
+    buckets: dict[str, float] = field(default_factory=dict)
+    seed: int = 0  # draws the calibration's latency jitter (none when it is 0)
+
+    @property
+    def full_block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    def blocks_spanned(self, n_tokens: int) -> int:  # what plan_request asks of a geometry
+        return -(-n_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class TraceTurn:
+    """One turn of a replayed trace agent (dualpath.workload.trace): its own prompt, not the
+    previous context plus an append, so its hits come from a store shared by every agent."""
+
+    prompt_len: int
+    gen_len: int
+    keys: tuple[int, ...]  # chained keys of the prompt's Full Blocks (equal exactly where prefixes are)
+    at_s: float | None = None  # earliest start after the agent's arrival; None: after the previous turn
+
+
+@dataclass
+class TrajectorySpec:
+    """One agent: its shared system prompt, its turns' (append, gen) lengths, when it arrives.
+    With `trace_turns` it replays those instead (`turns` then only counts them: (prompt, gen))."""
+
+    id: int
+    system_prompt_len: int
+    turns: Sequence[tuple[int, int]]
+    arrival_s: float = 0.0  # simulation seconds after the start (every group's leader has reported)
+    trace_turns: Sequence[TraceTurn] | None = None
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.trace_turns) if self.trace_turns is not None else len(self.turns)
+
+
+@dataclass
+class SimRecord:
+    """One request, in the fields of testbed.cluster.conductor.RequestRecord the summaries read."""
+
+    request: str
+    trajectory: int
+    turn: int
+    mode: str
+    path: str = ""
+    pe: str = ""
+    de: str = ""
+    pe_node: str = ""
+    de_node: str = ""
+    n_prompt: int = 0
+    n_hit: int = 0
+    n_miss: int = 0
+    gen_len: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    writeback_bytes: int = 0
+    pe_hit_bytes: int = 0
+    passes: int = 0
+    chunk_read_bytes: int = 0
+    token_times: list[float] = field(default_factory=list)
+    t_arrive: float = 0.0
+    t_routed: float = 0.0
+    t_read_start: float = 0.0
+    t_read_end: float = 0.0
+    t_prefill_start: float = 0.0
+    t_first_token: float = 0.0
+    t_done: float = 0.0
+    attention_s: float = 0.0  # emulated seconds of the passes it was in (its share)
+    error: str = ""
+
+
+@dataclass
+class SimResult:
+    mode: str
+    records: list[SimRecord]
+    t0: float
+    jct_s: float  # simulation seconds: last request done - start
+    passes: list[dict]
+    decode_segments: int
+    decode_steps: int
+    decode_step_tokens: int
+    link_bytes: dict[str, float]  # "node/kind/dir" -> bytes delivered
+    scheduler: dict[str, Any]
+    agent_jct_s: list[float]
+    events: int
+    wall_s: float
+    network: dict[str, Any]
+
+
+class _HostCpu:
+    """The testbed host's CPU (calibration.py): cores busy over a sliding window, from the engines'
+    compute and the KV bytes the NICs move, and the stretch 1 / (1 - U) it gives latencies."""
+
+    BUCKETS = 20
+    U_MAX = 0.9
+
+    def __init__(self, cal: Calibration):
+        self.on = cal.cpu_cores > 0
+        self.cal = cal
+        self.width = cal.cpu_window_s / self.BUCKETS
+        self.compute = [0.0] * self.BUCKETS
+        self.bytes = [0.0] * self.BUCKETS
+        self.slot = 0  # absolute bucket index of the newest bucket
+        self._cache_t = -1.0
+        self._cache_f = 1.0
+
+    def _roll(self, now: float) -> int:
+        b = int(now / self.width)
+        if b > self.slot:
+            for i in range(self.slot + 1, min(b, self.slot + self.BUCKETS) + 1):
+                self.compute[i % self.BUCKETS] = 0.0
+                self.bytes[i % self.BUCKETS] = 0.0
+            self.slot = b
+        return self.slot % self.BUCKETS
+
+    def add(self, now: float, compute_s: float = 0.0, nbytes: float = 0.0) -> None:
+        if self.on:
+            i = self._roll(now)
+            self.compute[i] += compute_s
+            self.bytes[i] += nbytes
+
+    def factor(self, now: float) -> float:
+        if not self.on:
+            return 1.0
+        if now == self._cache_t:
+            return self._cache_f
+        self._roll(now)
+        w = self.cal.cpu_window_s
+        c = self.cal
+        busy = c.cpu_base + c.cpu_per_compute * sum(self.compute) / w + c.cpu_per_mbps * sum(self.bytes) / w / 1e6
+        u = min(max(busy / c.cpu_cores, 0.0), self.U_MAX)
+        self._cache_t, self._cache_f = now, 1.0 / (1.0 - u)
+        return self._cache_f
+
+
+class _Jitter:
+    """Lognormal factors of mean 1 and relative standard deviation `sd`, from a seeded stream (a
+    string seed hashes the same in every process): one simulation's draws for its latencies."""
+
+    def __init__(self, sd: float, seed: str):
+        self.sigma = math.sqrt(math.log1p(sd * sd))
+        self.mu = -self.sigma * self.sigma / 2
+        self._rng = random.Random(seed)
+
+    def factor(self) -> float:
+        return math.exp(self._rng.gauss(self.mu, self.sigma)) if self.sigma else 1.0
+
+
+class _Bell:
+    """A leader's doorbell subscription: rings queue up until the leader waits again."""
+
+    __slots__ = ("rung", "event")
+
+    def __init__(self) -> None:
+        self.rung = False
+        self.event = None
+
+
+class _Host:
+    """A node's host agent: DRAM buffer, storage NIC, FIFO read queue, host port."""
+
+    def __init__(self, sim: "ClusterSim", name: str):
+        cfg = sim.cfg
+        self.name = name
+        q = cfg.qos
+        self.snic_rx = sim.shaped(Link(f"{name}/snic/rx", cfg.snic_bps, qos=False), "snic")
+        self.snic_tx = sim.shaped(Link(f"{name}/snic/tx", cfg.snic_bps, qos=False), "snic")
+        self.host_rx = sim.shaped(Link(f"{name}/host_port/rx", cfg.host_port_bps, qos=q), "host_port")
+        self.host_tx = sim.shaped(Link(f"{name}/host_port/tx", cfg.host_port_bps, qos=q), "host_port")
+        self.buffer = simpy.Container(sim.env, capacity=cfg.buffer_bytes, init=cfg.buffer_bytes)
+        self.read_q = 0  # bytes of loads accepted and not finished (the node's read_q)
+        self.loads: deque = deque()
+        self.worker_idle: simpy.Event | None = None
+        self.reading = 0  # loads being read right now (0 or 1: one worker)
+
+
+class _Engine:
+    def __init__(self, sim: "ClusterSim", name: str, node: _Host, role: Role, group: str):
+        cfg = sim.cfg
+        self.name, self.node, self.role, self.group = name, node, role, group
+        self.cnic_rx = sim.shaped(Link(f"{name}/cnic/rx", cfg.cnic_bps, qos=cfg.qos), "cnic")
+        self.cnic_tx = sim.shaped(Link(f"{name}/cnic/tx", cfg.cnic_bps, qos=cfg.qos), "cnic")
+        self.load = EngineLoad(cfg.hbm_tokens if role is Role.DECODE else 0)
+
+
+class _PrefillJob:
+    __slots__ = ("rec", "plan", "n_past", "first", "done", "t_first_token", "de_host")
+
+    def __init__(self, rec: SimRecord, plan, n_past: int, done, de_host: _Host | None):
+        self.rec, self.plan, self.n_past = rec, plan, n_past
+        self.first = True
+        self.done = done
+        self.t_first_token = 0.0
+        self.de_host = de_host
+
+
+class _DecodeJob:
+    __slots__ = ("rec", "ctx", "left", "times", "done", "wb_blocks", "node")
+
+    def __init__(self, rec: SimRecord, n_prompt: int, gen_len: int, done, wb_blocks: int, node: _Host):
+        self.rec = rec
+        self.ctx = n_prompt + 1  # keys the first step's token attends to (its own included)
+        self.left = gen_len - 1  # steps to run: the first token came from prefill
+        self.times: list[float] = []
+        self.done = done
+        self.wb_blocks = wb_blocks  # Full Blocks the generated tokens complete (D2H at the end)
+        self.node = node
+
+
+class _DecodeEngine:
+    """Continuous batching in closed form. A segment is a run of steps with one batch: step i of
+    it lasts (A + b i) * k + gap, A = the cost of the batch's contexts at its first step, b = the
+    per-context cost times the batch size (every context grows by one per step). The segment ends
+    at the first step boundary after a job became ready (it joins) or when a job runs out of
+    steps (it leaves); token times inside it are the boundaries."""
+
+    def __init__(self, sim: "ClusterSim", eng: _Engine):
+        self.sim, self.eng = sim, eng
+        self.batch: list[_DecodeJob] = []
+        self.ready: list[_DecodeJob] = []
+        self.t_seg = 0.0
+        self.a = 0.0
+        self.b = 0.0
+        self.gen = 0  # the segment's end event: superseded ones do nothing
+        self.end_at = math.inf
+        self.emulated = 0.0  # the segment's first step, emulated seconds
+        self.gap = 0.0
+        self.segments = self.steps = self.step_tokens = 0
+
+    def _costs(self) -> tuple[float, float]:
+        sim = self.sim
+        c: DecodeCostModel = sim.cfg.decode_cost
+        k = sim.cfg.dilation
+        n = len(self.batch)
+        self.emulated = c.step_cost([j.ctx for j in self.batch])
+        self.gap = sim.cal.step_gap_s * sim.cpu.factor(sim.env.now)
+        return self.emulated * k + self.gap, c.per_context * n * k
+
+    def _boundary(self, m: int) -> float:
+        return self.t_seg + m * self.a + self.b * m * (m - 1) / 2
+
+    def _steps_until(self, t: float) -> int:
+        """The first boundary at or after t, as a step count m >= 1 of this segment."""
+        dt = t - self.t_seg
+        if dt <= 0:
+            return 1
+        a, b = self.a, self.b
+        if b <= 0:
+            m = math.ceil(dt / a - 1e-12)
+        else:  # b m^2/2 + (a - b/2) m - dt >= 0
+            p = a - b / 2
+            m = math.ceil((-p + math.sqrt(p * p + 2 * b * dt)) / b - 1e-9)
+        m = max(1, m)
+        while self._boundary(m) < t - 1e-12 * max(1.0, t):
+            m += 1
+        while m > 1 and self._boundary(m - 1) >= t:
+            m -= 1
+        return m
+
+    def add(self, job: _DecodeJob) -> None:
+        """A job whose KV is in HBM: into the batch at the next step boundary."""
+        now = self.sim.env.now
+        if job.left <= 0:
+            self._leave(job, now)
+            return
+        if not self.batch:
+            self.batch = [job]
+            self._begin(now)
+            return
+        self.ready.append(job)
+        m = self._steps_until(now + 1e-15)
+        t = self._boundary(m)
+        if t < self.end_at:
+            self._arm(t)
+
+    def _begin(self, t: float) -> None:
+        self.t_seg = t
+        self.a, self.b = self._costs()
+        self.segments += 1
+        k_min = min(j.left for j in self.batch)
+        self._arm(self._boundary(k_min))
+
+    def _arm(self, t: float) -> None:
+        self.gen += 1
+        self.end_at = t
+        gen = self.gen
+        ev = self.sim.env.timeout(max(0.0, t - self.sim.env.now))
+        ev.callbacks.append(lambda _e: self._end(gen))
+
+    def _end(self, gen: int) -> None:
+        if gen != self.gen:
+            return
+        now = self.sim.env.now
+        m = self._steps_until(now)
+        gap = self.gap  # a step's tokens exist when its window ends, before the gap
+        bounds = [self._boundary(i) - gap for i in range(1, m + 1)]
+        self.steps += m
+        n = len(self.batch)
+        self.step_tokens += m * n
+        a, b, c = self.sim.cal.step_cpu  # the testbed model's compute for these steps (host CPU)
+        if a or b or c:
+            k = self.sim.cfg.dilation
+            emul = m * self.emulated + (self.b / k) * m * (m - 1) / 2 if k else 0.0
+            self.sim.cpu.add(now, compute_s=m * (a + b * n) + c * emul)
+        still = []
+        for j in self.batch:
+            j.times.extend(bounds)
+            j.ctx += m
+            j.left -= m
+            if j.left <= 0:
+                self._leave(j, bounds[-1])
+            else:
+                still.append(j)
+        self.batch = still + self.ready
+        self.ready = []
+        self.end_at = math.inf
+        if self.batch:
+            self._begin(self._boundary(m))
+
+    def _leave(self, job: _DecodeJob, t: float) -> None:
+        self.sim.env.process(self.sim._decode_finish(self.eng, job))
+
+
+class ClusterSim:
+    """One mode of one cluster over one workload; `run()` returns a SimResult."""
+
+    def __init__(self, cfg: SimConfig, mode: str, connector: str, path_policy: str,
+                 trajectories: Sequence[TrajectorySpec], cal: Calibration | None = None,
+                 warm_keys: Sequence[tuple[int, ...]] = ()):
+        self.cfg, self.mode, self.connector = cfg, mode, connector
+        dc = cfg.decode_cost
+        if dc.context_cap > 0 and dc.per_capped_context:
+            # _DecodeEngine sums a segment's steps in closed form, exact only for a linear cost
+            raise ValueError("the simulator's decode model needs a step cost linear in the contexts "
+                             "(a capped-context term, DSA's, is not modelled)")
+        self.cal = cal or cfg.calibration
+        self.env = simpy.Environment()
+        self.net = SimNetwork(self.env)
+        self.cpu = _HostCpu(self.cal)
+        self._jitter = _Jitter(self.cal.jitter, f"{cfg.seed}:{mode}")
+        self.trajectories = trajectories
+        self.sched = Scheduler(cfg.profile, path_policy=path_policy, alpha_s=cfg.alpha_s, beta_s=cfg.beta_s,
+                               clock=lambda: self.env.now)
+        self.sched_s = 0.0  # wall seconds inside the scheduler (its decision cost)
+        self.sched_calls = 0
+        self._bucket: dict[Link, float] = {}  # a shaped link's HTB bucket, payload bytes
+        self._tokens: dict[Link, tuple[float, float]] = {}  # (tokens, since) of an idle bucketed link
+        p = cfg.node_prefix
+        self.hosts: dict[str, _Host] = {}
+        self.engines: dict[str, _Engine] = {}
+        self.groups: dict[str, list[_Engine]] = {}
+        for role, n_nodes, tag in ((Role.PREFILL, cfg.prefill_nodes, "p"), (Role.DECODE, cfg.decode_nodes, "d")):
+            for i in range(n_nodes):
+                node = f"{p}{tag}{i}"
+                h = self.hosts[node] = _Host(self, node)
+                group = ("pe" if cfg.pe_groups == "one" else f"pe-{node}") if role is Role.PREFILL else f"de-{node}"
+                for e in range(cfg.engines_per_node):
+                    eng = _Engine(self, f"{node}e{e}", h, role, group)
+                    self.engines[eng.name] = eng
+                    self.groups.setdefault(group, []).append(eng)
+        self.decoders = {n: _DecodeEngine(self, e) for n, e in self.engines.items() if e.role is Role.DECODE}
+        self.storage = [(self.shaped(Link(f"storage{s}/nic/tx", cfg.storage_nic_bps, qos=False), "storage_nic"),
+                         self.shaped(Link(f"storage{s}/nic/rx", cfg.storage_nic_bps, qos=False), "storage_nic"),
+                         Link(f"storage{s}/disk", cfg.disk_bps, qos=False)) for s in range(cfg.storage_servers)]
+        # Storage links that can never be full are left out of the flows (exactly: max-min rates
+        # do not change): all servers' NICs (or disks) together at least every SNIC together.
+        n_nodes = cfg.prefill_nodes + cfg.decode_nodes
+        self._storage_nic_binds = cfg.storage_nic_bps * cfg.storage_servers < n_nodes * cfg.snic_bps
+        self._disk_binds = cfg.disk_bps * cfg.storage_servers < 2 * n_nodes * cfg.snic_bps
+        self.bells = {g: _Bell() for g in self.groups}
+        self._doorbell = Doorbell(self.sched)
+        self._decided: dict[str, simpy.Event] = {}
+        self._delivered: dict[str, simpy.Event] = {}
+        self._queues: dict[str, PrefillQueue] = {}
+        self._jobs: dict[str, _PrefillJob] = {}
+        self._batching: set[str] = set()
+        self.stored: dict[int, int] = {}  # trajectory -> leading Full Blocks of its context in the store
+        # Trace agents share one store, keyed by block: what the warm-up persisted before the mode's
+        # first request, then every prompt block a request's write-back (or the oracle) persists.
+        self.stored_keys: set[int] = {k for ks in warm_keys for k in ks}
+        self.records: list[SimRecord] = []
+        self.passes: list[dict] = []
+        self._wb_links = {}
+        self.t0 = 0.0
+
+    # ------------------------------------------------------------------ the scheduler service
+    def _service(self, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        self.sched_s += time.perf_counter() - t
+        self.sched_calls += 1
+        return out
+
+    def _ring(self) -> None:
+        t = time.perf_counter()
+        groups = self._doorbell.groups_to_ring()
+        self.sched_s += time.perf_counter() - t
+        for g in groups:
+            b = self.bells[g]
+            b.rung = True
+            if b.event is not None and not b.event.triggered:
+                b.event.succeed()
+
+    def _report(self, e: _Engine) -> EngineReport:
+        r = e.load.report()
+        kvb = self.cfg.kv_bytes_per_token
+        return EngineReport(e.name, e.node.name, e.role, e.group, r["seq_e"], r["tok_e"],
+                            r["free_hbm_tokens"], r["free_hbm_tokens"] * kvb, e.node.read_q)
+
+    def _leader(self, group: str):
+        """dualpath/nodes/leader.py GroupLeader._loop, in simulated time."""
+        env, rpc = self.env, self.cal.rpc_s
+        members = self.groups[group]
+        bell = self.bells[group]
+        heartbeat = HEARTBEAT_S  # the control plane keeps real seconds (see calibration.py)
+        registered = self._registered[group]
+        while True:
+            yield self._lat(rpc)  # every member's load and its node's read_q, gathered at once
+            reports = [self._report(e) for e in members]
+            yield self._lat(rpc / 2)  # the pull reaches the service
+
+            def pull():
+                for r in reports:
+                    self.sched.on_report(r)
+                return self.sched.pull(group)
+
+            got = self._service(pull)
+            if not registered.triggered:
+                registered.succeed()
+            if got:
+                waiting = self._delivered if members[0].role is Role.PREFILL else self._decided
+                for a in got:
+                    ev = waiting.pop(a.request_id, None)
+                    if ev is not None:
+                        ev.succeed(a)
+            self._ring()
+            yield self._lat(rpc / 2)  # the reply
+            for a in got:
+                yield self._lat(rpc)  # "assigned" to the engine it names
+                mine = a.pe_engine if a.pe_group == group else a.de_engine
+                self.engines[mine].load.assigned(a.request_id, a.request.total_len)
+            if not got:
+                if not bell.rung:
+                    bell.event = env.event()
+                    yield bell.event | env.timeout(heartbeat)
+                    bell.event = None
+                bell.rung = False
+
+    # ------------------------------------------------------------------ network helpers
+    def _lat(self, seconds: float):
+        """A latency of the testbed's software, stretched by its host's CPU load now, and varying
+        from one message to the next as the calibration's jitter says."""
+        return self.env.timeout(seconds * self._jitter.factor() * self.cpu.factor(self.env.now))
+
+    def shaped(self, link: Link, kind: str) -> Link:
+        """`link`, with the HTB bucket of its NIC kind when the config has one, and what a fresh
+        flow sends beyond it (the calibration's burst_extra_bytes)."""
+        b = self.cfg.buckets.get(kind, 0.0)
+        if b > 0:
+            b += self.cal.burst_extra_bytes.get(kind, 0.0)
+            self._bucket[link] = b
+            self._tokens[link] = (b, 0.0)  # full: idle since before the run
+        return link
+
+    def _flow(self, path, nbytes, layers: tuple[int, float] | None = None):
+        """A transfer over `path`. `layers` = (L, w): it stands for an exposed pass's L per-layer
+        READs, each issued after the window (w) before it, so each finds its links' buckets
+        refilled by that window while they carry nothing else."""
+        self.cpu.add(self.env.now, nbytes=2 * nbytes)  # a hop: its source NIC sends, its destination receives
+        if not self._bucket:
+            return self.net.transfer(path, nbytes)
+        if layers is None:
+            rest = nbytes - self._burst(path, nbytes)
+        else:
+            n_layers, window = layers
+            per_layer = nbytes / n_layers
+            first = self._burst(path, per_layer)
+            refill = min((min(self._bucket[l], window * l.capacity_bps / 8) for l in path if l in self._bucket),
+                         default=0.0) if first > 0 else 0.0
+            rest = nbytes - first - (n_layers - 1) * min(per_layer, refill)
+        if rest < nbytes:  # the burst crossed every link of the path at once: count it there
+            d = self.net.net.delivered
+            for l in path:
+                d[l] = d.get(l, 0.0) + (nbytes - rest)
+        ev = self.net.transfer(path, rest)
+        if rest > 0:
+            ev.callbacks.append(lambda done: self._idle(done.value))
+        return ev
+
+    def _burst(self, path, nbytes: float) -> float:
+        """HTB's burst: bytes of a new flow that leave at once, as many as every shaped link on its
+        path holds tokens for. A link gains tokens at its rate and spends them on what it sends, up
+        to its bucket: an idle one refills from when it went idle, one whose flows leave it capacity
+        to spare keeps its bucket full, and one its flows fill has none to spare."""
+        now, busy = self.env.now, self.net.net.flows_on
+        shaped = [l for l in path if l in self._bucket]
+        if not shaped:
+            return 0.0
+        have = {}
+        for l in shaped:
+            if busy(l):
+                if self.net.saturated(l):
+                    return 0.0
+                have[l] = self._bucket[l]
+            else:
+                tok, since = self._tokens[l]
+                have[l] = min(self._bucket[l], tok + (now - since) * l.capacity_bps / 8)
+        free = min(nbytes, *have.values())
+        for l, h in have.items():
+            if not busy(l):
+                self._tokens[l] = (h - free, now)
+        return free
+
+    def _idle(self, flow) -> None:
+        """`flow` ended: a shaped link it leaves empty starts refilling, from empty if the flow
+        could fill it (it was sending at its rate), else from a full bucket."""
+        for l, bound in zip(flow.path, flow.ubs):
+            if l in self._bucket and not self.net.net.flows_on(l):
+                spare = bound < l.capacity_bps * (1 - 1e-9)
+                self._tokens[l] = (self._bucket[l] if spare else 0.0, self.env.now)
+
+    def _storage_paths(self, node_link: Link, read: bool) -> list[tuple[list[Link], float]]:
+        """A load's (or flush's) flows: one per storage server when the storage side can bind
+        (blocks are striped over the servers), else one over the node's SNIC alone."""
+        if not (self._storage_nic_binds or self._disk_binds):
+            return [([node_link], 1.0)]
+        share = 1.0 / len(self.storage)
+        out = []
+        for tx, rx, disk in self.storage:
+            path = [node_link]
+            if self._storage_nic_binds:
+                path.append(tx if read else rx)
+            if self._disk_binds:
+                path.append(disk)
+            out.append((path, share))
+        return out
+
+    # ------------------------------------------------------------------ host agents
+    def _load(self, host: _Host, nbytes: int, done: simpy.Event) -> None:
+        """A load accepted by the node's read queue (counted in read_q at once)."""
+        host.read_q += nbytes
+        host.loads.append((nbytes, done))
+        if host.worker_idle is not None and not host.worker_idle.triggered:
+            host.worker_idle.succeed()
+
+    def _read_worker(self, host: _Host):
+        env = self.env
+        while True:
+            if not host.loads:
+                host.worker_idle = env.event()
+                yield host.worker_idle
+                host.worker_idle = None
+                continue
+            nbytes, done = host.loads.popleft()
+            if self.cal.load_fixed_s:
+                yield self._lat(self.cal.load_fixed_s)
+            flows = [self._flow(path, nbytes * share) for path, share in self._storage_paths(host.snic_rx, True)]
+            yield simpy.AllOf(env, flows)
+            host.read_q -= nbytes
+            done.succeed()
+
+    def _flush(self, host: _Host, nbytes: int):
+        env = self.env
+        if self.cal.flush_fixed_s:
+            yield self._lat(self.cal.flush_fixed_s)
+        if self.cal.read_contention_s and (host.read_q > 0):
+            yield self._lat(self.cal.read_contention_s)
+        flows = [self._flow(path, nbytes * share) for path, share in self._storage_paths(host.snic_tx, False)]
+        yield simpy.AllOf(env, flows)
+
+    # ------------------------------------------------------------------ the conductor
+    def _trajectory(self, tr: TrajectorySpec):
+        env = self.env
+        if tr.arrival_s > 0:
+            yield env.timeout(tr.arrival_s)
+        bs = self.cfg.block_size
+        self.stored[tr.id] = tr.system_prompt_len // bs  # the warm-up persisted the system prompt
+        ctx = tr.system_prompt_len
+        for t, (append, gen) in enumerate(tr.turns):
+            prompt_len = ctx + append
+            rec = SimRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
+            yield from self._request(rec, prompt_len, gen)
+            self.records.append(rec)
+            ctx = prompt_len + gen
+
+    def _trace_agent(self, tr: TrajectorySpec):
+        """A replayed trace agent: each turn starts at its trace time, but never before the previous
+        turn's answer (an agent waits for its own output)."""
+        env = self.env
+        if tr.arrival_s > 0:
+            yield env.timeout(tr.arrival_s)
+        arrived = env.now
+        for t, turn in enumerate(tr.trace_turns):
+            if turn.at_s is not None and arrived + turn.at_s > env.now:
+                yield env.timeout(arrived + turn.at_s - env.now)
+            rec = SimRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
+            yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys)
+            self.records.append(rec)
+
+    def _stored_run(self, keys: Sequence[int]) -> int:
+        """Leading blocks of `keys` the shared store holds (the store's match_prefix)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.stored_keys:
+            n += 1
+        return n
+
+    def _request(self, rec: SimRecord, prompt_len: int, gen_len: int, keys: Sequence[int] | None = None):
+        """One request. `keys` (a trace turn's block keys) looks its hits up in the shared store;
+        without them the trajectory's own stored context is what hits."""
+        env, cfg, cal = self.env, self.cfg, self.cal
+        rpc = cal.rpc_s
+        bs, kvb = cfg.block_size, cfg.kv_bytes_per_token
+        rec.t_arrive = env.now
+        rec.gen_len, rec.n_prompt = gen_len, prompt_len
+        stored = self.stored[rec.trajectory] if keys is None else self._stored_run(keys)
+        n_hit_blocks = min(stored, (prompt_len - 1) // bs)  # match_prefix: at least one token is computed
+        rec.n_hit = n_hit_blocks * bs
+        rec.n_miss = prompt_len - rec.n_hit
+        rec.hit_bytes, rec.miss_bytes = rec.n_hit * kvb, rec.n_miss * kvb
+        rid = rec.request
+        decided, delivered = env.event(), env.event()
+        self._decided[rid], self._delivered[rid] = decided, delivered
+        yield self._lat(rpc / 2)  # the submit reaches the service
+        self._service(self.sched.on_request, Request(rid, prompt_len, rec.n_hit, rec.n_miss, env.now))
+        self._ring()
+        yield self._lat(rpc / 2)  # its reply
+        a = yield decided
+        yield delivered
+        rec.t_routed = env.now
+        route = Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
+        pe, de = self.engines[a.pe_engine], self.engines[a.de_engine]
+        plan = plan_request(rid, range(prompt_len), gen_len, range(n_hit_blocks), n_hit_blocks, route, cfg,
+                            self.connector, pe.node.name, de.node.name)
+        rec.pe, rec.de, rec.path = pe.name, de.name, route.path if plan.moves_kv else "none"
+        rec.pe_node, rec.de_node = plan.pe_node, plan.de_node
+        rec.pe_hit_bytes = plan.pe_blocks * bs * kvb
+        fbb = cfg.full_block_bytes
+        held: dict[str, tuple[_Host, int]] = {}  # area -> (node, bytes) while allocated
+        for area in plan.areas:
+            h = self.hosts[area.node]
+            yield h.buffer.get(area.blocks * fbb)
+            held[area.name] = (h, area.blocks * fbb)
+        if plan.loads:
+            rec.t_read_start = env.now
+            evs = []
+            for ld in plan.loads:
+                done = env.event()
+                evs.append(done)
+                env.process(self._load_cmd(self.hosts[ld.node], len(ld.keys) * fbb, done))
+            yield simpy.AllOf(env, evs)
+            rec.t_read_end = env.now
+        rec.t_prefill_start = env.now
+        job = _PrefillJob(rec, plan, rec.n_hit, env.event(), de.node)
+        q = self._queues.get(pe.name)
+        if q is None:
+            q = self._queues[pe.name] = PrefillQueue(cfg.prefill_cost, cfg.quota_s)
+        q.push(rid, rec.n_hit, prompt_len - rec.n_hit)
+        self._jobs[rid] = job
+        if pe.name not in self._batching:
+            self._batching.add(pe.name)
+            env.process(self._batcher(pe))
+        yield job.done
+        rec.t_first_token = job.t_first_token
+        if plan.moves_kv:
+            yield self._lat(rpc)  # wait_notifs: the layers' WRITEs have landed (the pass waited for them)
+        if "pe" in held:  # the PE area goes once the layers have landed
+            h, n = held.pop("pe")
+            yield h.buffer.put(n)
+        wb = plan.writeback if plan.moves_kv else None
+        if wb is not None:
+            yield de.node.buffer.get(wb.blocks * fbb)
+            held["wb"] = (de.node, wb.blocks * fbb)
+        # decode: the prompt's KV into the DE's HBM, then the batch
+        n_wb = wb.blocks if wb is not None else 0
+        prompt_blocks = (prompt_len // bs - n_hit_blocks) if plan.moves_kv else 0  # filled by prefill
+        dec_done = env.event()
+        djob = _DecodeJob(rec, prompt_len, gen_len, dec_done, max(0, n_wb - prompt_blocks), de.node)
+        yield self._lat(rpc / 2)  # the decode command reaches the engine
+        env.process(self._decode_admit(de, djob, plan.moves_kv, prompt_blocks))
+        yield dec_done
+        rec.token_times = [job.t_first_token, *djob.times]
+        if "de" in held:
+            h, n = held.pop("de")
+            yield h.buffer.put(n)
+        if plan.moves_kv and n_wb:
+            yield self._lat(rpc)  # wait_notifs: the write-back's D2H has landed
+            yield self._lat(rpc / 2)  # flush reaches the host agent
+            yield from self._flush(de.node, n_wb * fbb)
+            yield self._lat(rpc / 2)
+            rec.writeback_bytes = n_wb * fbb
+        for h, n in held.values():
+            yield h.buffer.put(n)
+        if keys is None:
+            self.stored[rec.trajectory] = n_hit_blocks + n_wb if plan.moves_kv else \
+                (prompt_len + gen_len - 1) // bs  # oracle: as if written back, with no I/O
+        else:  # the write-back persists from the first new block on; the oracle, as if it all were
+            self.stored_keys.update(keys[:n_hit_blocks + n_wb] if plan.moves_kv else keys)
+        rec.t_done = env.now
+
+    def _load_cmd(self, host: _Host, nbytes: int, done: simpy.Event):
+        env = self.env
+        yield self._lat(self.cal.rpc_s / 2)
+        landed = env.event()
+        self._load(host, nbytes, landed)
+        yield landed
+        yield self._lat(self.cal.rpc_s / 2)
+        done.succeed()
+
+    # ------------------------------------------------------------------ prefill engines
+    def _batcher(self, pe: _Engine):
+        """testbed.cluster.conductor.Conductor._batcher: the PE's passes while it has work."""
+        env, cal = self.env, self.cal
+        q = self._queues[pe.name]
+        while len(q):
+            yield env.timeout(0)  # requests arriving in this same instant join the pass
+            batch = q.next_batch()
+            jobs = [self._jobs[e.request_id] for e in batch.entries]
+            loaded = len(q) > 0
+            t0 = env.now
+            yield self._lat(cal.rpc_s / 2)
+            t_end = yield from self._pass(pe, jobs, batch)
+            for j, e in zip(jobs, batch.entries):
+                if e.last:
+                    pe.load.finished(e.request_id)
+            yield self._lat(cal.rpc_s / 2)
+            share = batch.predicted_s / len(jobs) if jobs else 0.0
+            self.passes.append({"pe": pe.name, "t_start": t0, "t_end": env.now, "n": len(jobs),
+                                "chunked": not batch.entries[-1].last, "loaded": loaded,
+                                "attention_s": batch.predicted_s, "predicted_s": batch.predicted_s})
+            for j, e in zip(jobs, batch.entries):
+                r = j.rec
+                if not j.first:
+                    r.chunk_read_bytes += j.n_past * self.cfg.kv_bytes_per_token
+                r.passes += 1
+                r.attention_s += share
+                j.first = False
+                j.n_past += e.new
+                if e.last:
+                    j.t_first_token = t_end
+                    del self._jobs[e.request_id]
+                    j.done.succeed()
+        self._batching.discard(pe.name)
+
+    def _pass(self, pe: _Engine, jobs: list[_PrefillJob], batch):
+        """One forward pass on the engine (dualpath/engines/prefill.py), in simulated time."""
+        env, cfg, cal = self.env, self.cfg, self.cal
+        kvb, L = cfg.kv_bytes_per_token, cfg.n_layer
+        a, b, c = cal.pass_cpu  # the testbed model's own compute for this pass (host CPU)
+        self.cpu.add(env.now, compute_s=a + b * len(jobs) + c * batch.predicted_s)
+        if cal.pass_fixed_s:
+            yield self._lat(cal.pass_fixed_s)
+        w = batch.predicted_s / L * cfg.dilation  # one layer's window
+        moves = self.connector != "oracle"
+        reads, writes = [], []
+        if moves:
+            for j, e in zip(jobs, batch.entries):
+                if j.first:
+                    for p in j.plan.past:  # where each part of the past is (plan.past)
+                        src = pe.node if p.area == "pe" else j.de_host
+                        reads.append(([src.host_tx, pe.cnic_rx], p.n * kvb))
+                    out = (j.plan.forward_past + e.new) * kvb
+                elif j.n_past:  # a later chunk reads its whole past back from the DE buffer
+                    reads.append(([j.de_host.host_tx, pe.cnic_rx], j.n_past * kvb))
+                    out = e.new * kvb
+                else:
+                    out = e.new * kvb
+                writes.append(([pe.cnic_tx, j.de_host.host_rx], out))
+        t_c = env.now
+        if moves and cal.exposed_io:
+            # The testbed's engines move a transfer only while they wait on it (NIXL over UCX/TCP
+            # has no progress thread there): each layer's READ and the last layer's WRITE add to
+            # the windows instead of hiding behind them. Aggregated: the reads, the windows, the
+            # writes, and every transfer's own latency (one READ and one WRITE per request and
+            # layer).
+            if reads:
+                yield simpy.AllOf(env, [self._flow(p, n, (L, w)) for p, n in reads])
+            xfers = L * (len(reads) + len(writes))
+            wait = L * w + xfers * cal.xfer_latency_s * self.cpu.factor(env.now)
+            if wait > 0:
+                yield env.timeout(wait)
+            if writes:
+                yield simpy.AllOf(env, [self._flow(p, n) for p, n in writes if n])
+            return env.now
+        if reads:
+            yield simpy.AllOf(env, [self._flow(p, n) for p, n in reads])
+        t_r = env.now
+        if not reads or self.connector == "oracle":
+            end = t_c + L * w
+        elif self.connector == "basic":
+            end = t_r + L * w
+        else:  # layerwise: layer l+1's READ runs while layer l computes
+            d = (t_r - t_c) / L
+            end = t_c + min(d, w) + L * max(d, w)
+        pending = []
+        if writes:  # each layer's KV leaves as its window ends: all but the last layer's now ...
+            pending = [self._flow(p, n * (L - 1) / L) for p, n in writes if n]
+        if end > env.now:
+            yield env.timeout(end - env.now)
+        if writes:  # ... and the last layer's at the end; the pass waits for every save
+            pending += [self._flow(p, n / L) for p, n in writes if n]
+            yield simpy.AllOf(env, pending)
+        return env.now
+
+    # ------------------------------------------------------------------ decode engines
+    def _decode_admit(self, de: _Engine, job: _DecodeJob, moves: bool, prompt_blocks: int):
+        env = self.env
+        if moves:
+            yield self._flow([de.node.host_tx, de.cnic_rx], job.rec.n_prompt * self.cfg.kv_bytes_per_token)
+            if prompt_blocks:  # blocks the prompt itself filled are saved at once (D2H)
+                env.process(self._d2h(de, prompt_blocks))
+        self.decoders[de.name].add(job)
+
+    def _d2h(self, de: _Engine, blocks: int):
+        yield self._flow([de.cnic_tx, de.node.host_rx], blocks * self.cfg.full_block_bytes)
+
+    def _decode_finish(self, de: _Engine, job: _DecodeJob):
+        env = self.env
+        if job.wb_blocks and self.connector != "oracle":
+            yield self._flow([de.cnic_tx, de.node.host_rx], job.wb_blocks * self.cfg.full_block_bytes)
+        de.load.finished(job.rec.request)
+        yield self._lat(self.cal.rpc_s / 2)  # the answer reaches the conductor
+        job.done.succeed()
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> SimResult:
+        env = self.env
+        wall = time.perf_counter()
+        self._registered = {g: env.event() for g in self.groups}
+        for g in self.groups:
+            env.process(self._leader(g))
+        for h in self.hosts.values():
+            env.process(self._read_worker(h))
+        # As on the testbed, whose conductor submits only once every group's leader has started
+        # (testbed.cluster.scheduling.ServiceRouter.start) and so reported: a group the scheduler has not
+        # heard of yet gets nothing from phase 1, and a burst would all land on the first one.
+        env.run(until=simpy.AllOf(env, list(self._registered.values())))
+        self.t0 = env.now
+        agents = [env.process(self._trace_agent(tr) if tr.trace_turns is not None else self._trajectory(tr))
+                  for tr in self.trajectories]
+        n_turns = sum(t.n_requests for t in self.trajectories)
+        env.run(until=simpy.AllOf(env, agents))  # leaders and read workers loop for ever
+        if len(self.records) != n_turns:
+            raise RuntimeError(f"simulation of {self.mode} stopped with {len(self.records)} of {n_turns} "
+                               f"requests done (a deadlock in the model)")
+        return self._result(time.perf_counter() - wall)
+
+    def _result(self, wall_s: float) -> SimResult:
+        recs = self.records
+        t1 = max((r.t_done for r in recs), default=0.0)
+        by_traj: dict[int, float] = {}
+        for r in recs:
+            by_traj[r.trajectory] = max(by_traj.get(r.trajectory, 0.0), r.t_done)
+        arr = {t.id: self.t0 + t.arrival_s for t in self.trajectories}
+        links = {l.name: b for l, b in self.net.net.delivered.items()}
+        dec = self.decoders.values()
+        n_req = max(1, len(recs))
+        return SimResult(
+            self.mode, recs, self.t0, t1 - self.t0, self.passes,
+            sum(d.segments for d in dec), sum(d.steps for d in dec), sum(d.step_tokens for d in dec),
+            links, {"decision_s": self.sched_s, "calls": self.sched_calls,
+                    "us_per_request": self.sched_s / n_req * 1e6},
+            [by_traj[t] - arr[t] for t in by_traj], self.net.net.events, wall_s,
+            {"allocations": self.net.net.allocations, "allocated_flows": self.net.net.allocated_flows})

@@ -1,0 +1,1 @@
+"""Checks and benches that calibrate the emulation against real tools (iperf3, fio, perftest)."""

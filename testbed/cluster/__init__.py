@@ -1,0 +1,1 @@
+"""The node processes of a run and the conductor that drives requests through them."""

@@ -1,0 +1,1 @@
+"""The emulated fabric: namespaces, links, tc shaping, DSCP marking, counters, containers, cleanup."""

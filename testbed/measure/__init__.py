@@ -1,0 +1,1 @@
+"""What a run measures: metrics, the fidelity verdict, monitors, reports and plots."""

@@ -1,0 +1,288 @@
+"""Human-readable check summaries and the files a run leaves in results/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from testbed.calibrate.check import CLEAR_LOSS, MODEL_KEEP_OK, RATE_OK, CheckReport
+from testbed.measure.fidelity import CPU_BUSY_MAX, OVERRUN_SHARE, SATURATION_MIN
+
+
+def _mbit(bps: float) -> str:
+    return f"{bps / 1e6:7.1f}"
+
+
+def check_lines(r: CheckReport) -> list[str]:
+    lines = [f"link calibration ({r.topology}): wire rate from HTB counters while the flow kept "
+             f"the shaper backlogged, vs configured, accepted {RATE_OK[0]}-{RATE_OK[1]}; mean: the "
+             f"same span with TCP's stalls",
+             f"  {'nic':<10} {'dir':<3} {'class':<6} {'config':>7} {'wire':>7} {'ratio':>6} "
+             f"{'mean':>7} {'goodput':>7} {'cpu':>4} {'steal':>5}  Mbit/s"]
+    for l in r.links:
+        lines.append(f"  {l.nic_kind:<10} {l.direction:<3} {l.traffic_class:<6} {_mbit(l.configured_bps)} "
+                     f"{_mbit(l.wire_bps)} {l.ratio:6.3f} {_mbit(l.mean_bps)} {_mbit(l.goodput_bps)} "
+                     f"{l.cpu_busy:4.0%} {l.steal:5.0%}  {'ok' if l.ok else 'FAIL'}{': ' + l.note if l.note else ''}")
+    m = r.marking
+    if m:
+        lines.append(f"dscp by port: flow to kv port {m['kv_range_port']['port']} -> "
+                     f"{m['kv_range_port']['kv_class_share']:.1%} in the kv class; flow to port "
+                     f"{m['other_port']['port']} -> {m['other_port']['model_class_share']:.1%} in the model class")
+    for p in r.priority:
+        lines.append(f"priority, QoS {'on ' if p.qos else 'off'}: model flow at "
+                     f"{p.model_offered_bps / 1e6:.0f} Mbit/s kept {p.kept_ratio:.3f} of its packets "
+                     f"({p.model_arrived_pkts} of {p.model_sent_pkts} arrived; iperf3 received "
+                     f"{p.iperf_kept_ratio:.3f} of its rate) beside a UDP kv flood sent at "
+                     f"{p.kv_sent_bps / 1e6:.0f} Mbit/s that got {p.kv_goodput_bps / 1e6:.0f} Mbit/s; "
+                     f"cpu {p.cpu_busy:.0%}")
+    if len(r.priority) == 2:
+        lines.append(f"  (QoS on must keep >= {MODEL_KEEP_OK} of the model packets; QoS off must keep "
+                     f"at least {CLEAR_LOSS} less)")
+    if r.cpu_saturated:
+        lines.append("FIDELITY: the CPU was saturated during the check; rates may reflect the CPU, "
+                     "not the emulated NICs")
+    lines.append("RESULT: ok" if r.ok else "RESULT: FAILED: " + "; ".join(r.problems))
+    return lines
+
+
+def write_check(r: CheckReport, run_dir: Path, command: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps({"command": command, **r.to_dict()}, indent=2) + "\n")
+    body = "\n".join(check_lines(r))
+    (run_dir / "report.md").write_text(
+        f"# dualpath check: {r.topology}\n\nProduced by `{command}`.\n\n```\n{body}\n```\n")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def run_verdict(summary: dict) -> str:
+    """The run's verdict in one line: a result only when every mode is FAITHFUL (testbed/measure/fidelity.py)."""
+    bad = [m for m, v in summary["modes"].items() if not v["faithful"]]
+    rules = (f"passes and steps kept their emulated windows (at most {OVERRUN_SHARE:.0%} overran), mean CPU busy "
+             f"<= {CPU_BUSY_MAX:.0%}, every bottleneck storage NIC carried >= {SATURATION_MIN:.0%} of its rate")
+    if not bad:
+        return f"verdict: FAITHFUL in every mode ({rules})"
+    return f"verdict: UNFAITHFUL in {', '.join(bad)}: not a result (reasons under each mode)"
+
+
+def verdict_lines(summary: dict) -> list[str]:
+    """One line per mode that starts with its fidelity verdict, then times in emulated seconds."""
+    t = summary.get("time", {})
+    if t.get("compute") == "cpu":
+        head = f"time: the host CPU's own (compute: cpu; target {summary.get('target')} not emulated)"
+    else:
+        head = (f"time: emulated {summary.get('target')}; dilation k = {summary.get('dilation', 1):.4g} "
+                f"(one emulated second lasts {summary.get('dilation', 1):.3g} s here); times below are emulated, "
+                f"testbed seconds in brackets")
+    lines = [run_verdict(summary), head]
+    for mode, m in summary["modes"].items():
+        sp = m.get("speedup_over_basic")
+        speed = f"  {sp:.2f}x basic (bound {m['speedup_bound']:.2f}x)" if sp is not None and "speedup_bound" in m else ""
+        lines.append(f"{mode:<14} {'FAITHFUL' if m['faithful'] else 'UNFAITHFUL':<10} JCT {m['jct_s']:8.3f} s "
+                     f"[{m['jct_testbed_s']:.1f}]{speed}  TTFT p50/p99 {_ms(m['ttft_s']['p50'])}/{_ms(m['ttft_s']['p99'])} ms"
+                     f"  TPOT p50 {_ms(m['tpot_s']['p50'])} ms  CPU {m['cpu_busy']:.0%} (own {m.get('cpu_testbed_processes', 0):.0%}"
+                     + (f", steal {m['cpu_steal']:.0%}" if m.get("cpu_steal") else "") + ")")
+        for why in m.get("unfaithful_reasons", []):
+            lines.append(f"{'':<14} - {why}")
+        for note in m.get("fidelity_notes", []):
+            lines.append(f"{'':<14} note: {note}")
+    return lines
+
+
+def failed_checks(summary: dict) -> list[str]:
+    """One line per check a mode failed, naming the request, the layer or the NIC: what makes
+    `dualpath run` exit non-zero. With faults, a request may fail alone and the bytes of retried
+    attempts are not in the expected counts; nothing may be wrong or lost."""
+    faults = "fault_injection" in summary
+    out = []
+    for mode, m in summary["modes"].items():
+        v = m["verification"]
+        first = v.get("first_failed_check")
+        if v.get("all_match") is False:
+            where = (f"request {first['request']}" + (f", layer {first['layer']}" if first.get("layer") is not None
+                                                        else "")) if first else f"request {v.get('first_mismatch')}"
+            what = {"pe_kv_bit_exact": "the past KV the PE loaded differs from the recomputation's",
+                    "de_kv_bit_exact": "the prompt KV the DE loaded differs from the recomputation's",
+                    "tokens_match": "its tokens differ from the recomputation's"}.get(first["check"] if first else "", "")
+            out.append(f"{mode}: check {first['check'] if first else 'verification'} failed at {where}: {what}")
+        for f in m.get("faults", []):
+            if f.get("wrong_tokens") or f.get("lost_blocks"):
+                out.append(f"{mode}: fault {f['kind']}:{f.get('target') or ''}: {f.get('wrong_tokens', 0)} wrong "
+                           f"token(s), {f.get('lost_blocks', 0)} lost block(s)")
+        if faults:
+            continue
+        if m["errors"]:
+            e = m.get("first_error") or {}
+            out.append(f"{mode}: check errors failed: {m['errors']} request(s) failed; the first, "
+                       f"{e.get('request', '?')}: {e.get('error', '?')}")
+        acc = m["kv_bytes_vs_expected"]
+        bad = [r for r in acc["per_nic"] if not r["ok"]]
+        if bad:  # the NIC furthest off names the problem; the table above has every one
+            r = max(bad, key=lambda x: abs(x["measured"] - x["expected"]))
+            out.append(f"{mode}: check kv_bytes_vs_expected failed on {len(bad)} of {acc['nics']} NICs; furthest off "
+                       f"{r['nic']}: expected {r['expected'] / 1e6:.2f} MB by the path definitions, measured "
+                       f"{r['measured'] / 1e6:.2f} MB in the kv class (KV sent in another class, re-sent, or bytes "
+                       f"no path defines)")
+    return out
+
+
+def e2e_lines(summary: dict) -> list[str]:
+    """The main job's summary: the verdict and times per mode, correctness, KV bytes per NIC."""
+    lines = verdict_lines(summary)
+    if summary.get("device", "cpu") != "cpu":
+        lines.append(f"engines computed on {summary['device']}: weights and KV in GPU memory, staged through "
+                     f"page-locked host memory; checked against a recomputation on {summary['device']}")
+    lines.append(f"{'mode':<14} {'reqs':>4} {'err':>3} {'tokens=recompute':>16} {'KV bit-exact (PE/DE)':>21} "
+                 f"{'hit':>5} {'hit KV in HBM':>13} {'NIC bytes ok':>12}")
+    for mode, m in summary["modes"].items():
+        v = m["verification"]
+        tok = (f"{v['tokens_match']}/{v['requests']}" if "tokens_match" in v else "n/a (oracle)")
+        kv = f"{v['pe_kv_bit_exact']} {v['de_kv_bit_exact']}" if "pe_kv_bit_exact" in v else "n/a"
+        acc = m["kv_bytes_vs_expected"]
+        hbm = m["peak_hit_kv_layers_in_hbm"]["max"]
+        lines.append(f"{mode:<14} {m['requests']:>4} {m['errors']:>3} {tok:>16} {kv:>21} "
+                     f"{m['hit_rate']:>5.3f} {hbm:>7.1f} layers {acc['within']:>4}/{acc['nics']:<3}")
+    lines.append("KV bytes per NIC (tx+rx, MB): expected by the path definitions / measured from HTB kv-class "
+                 f"counters, payload only (tolerance {next(iter(summary['modes'].values()))['kv_bytes_vs_expected']['tolerance']:.0%})")
+    nics = [r["nic"] for r in next(iter(summary["modes"].values()))["kv_bytes_vs_expected"]["per_nic"]]
+    lines.append(f"  {'nic':<22}" + "".join(f"{mode:>20}" for mode in summary["modes"]))
+    for nic in nics:
+        cells = []
+        for m in summary["modes"].values():
+            r = next((x for x in m["kv_bytes_vs_expected"]["per_nic"] if x["nic"] == nic), None)
+            cells.append("-" if r is None else
+                         f"{r['expected'] / 1e6:.1f}/{r['measured'] / 1e6:.1f}{'' if r['ok'] else '!'}")
+        lines.append(f"  {nic:<22}" + "".join(f"{c:>20}" for c in cells))
+    retries = {mode: m["rdma"]["retries"] for mode, m in summary["modes"].items() if (m.get("rdma") or {}).get("retries")}
+    if retries:
+        lines.append("RoCE re-sends (rxe hw_counters, all devices; rxe counts events, not bytes, so the bytes "
+                     "they re-sent stay in the measured counts above): " + "; ".join(
+                         f"{mode} retries {r['completer_retry_err']} (NAKs {r['rcvd_seq_err']}), duplicates "
+                         f"{r['duplicate_request']}, out of order {r['out_of_seq_request']}" for mode, r in retries.items()))
+    ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
+    lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
+    lines.extend(_balance_lines(summary))
+    lines.extend(conversation_lines(summary))
+    lines.extend(fault_lines(summary))
+    if summary.get("connector"):
+        c = summary["connector"]
+        lines.append(f"connector: {c['spec']} ({c['name']}, contract v{c['contract_version']}) in modes "
+                     f"{','.join(c.get('modes', []))}: every check above applies to it")
+    bad = failed_checks(summary)
+    lines.extend(["FAILED checks:", *(f"  {x}" for x in bad)] if bad else ["every check passed"])
+    return lines
+
+
+def conversation_lines(summary: dict) -> list[str]:
+    """One real-text conversation, a short excerpt per turn (runs of a model with a tokenizer)."""
+    c = summary.get("conversation")
+    if not c:
+        return []
+    title = f" ({c['title']})" if c.get("title") else ""
+    lines = [f"real text: conversation {c['trajectory']}{title} in {c['mode']}, greedy, {len(c['turns'])} turns; "
+             "excerpts without the chat template's markup (records.jsonl: every request's prompt_text, output_text)"]
+    for t in c["turns"]:
+        lines.append(f"  turn {t['turn']}  in:  {t['input']}")
+        lines.append(f"  {'':<6} out: {t['output']}")
+    return lines
+
+
+def fault_lines(summary: dict) -> list[str]:
+    """A run with --fault: per mode and fault, what it affected and how the cluster came through."""
+    rows = [(mode, f) for mode, m in summary["modes"].items() for f in m.get("faults", [])]
+    if not rows:
+        return []
+    out = ["faults (emulated s after the mode's first request; recovery: to the end of the last request it affected)",
+           f"  {'mode':<14} {'fault':<28} {'affected':>8} {'completed':>9} {'failed':>6} {'wrong tok':>9} "
+           f"{'lost blk':>8} {'recovery s':>10}"]
+    for mode, f in rows:
+        rec = "-" if f.get("recovery_s") is None else f"{f['recovery_s']:.2f}"
+        name = f"{f['kind']}:{f['target']}@{f['at_s']:g}" + ("" if f.get("injected", True) else " (not injected)")
+        out.append(f"  {mode:<14} {name:<28} {f['affected']:>8} {f['completed']:>9} {f['failed']:>6} "
+                   f"{f['wrong_tokens']:>9} {f['lost_blocks']:>8} {rec:>10}")
+        for e in f.get("errors", [])[:2]:
+            out.append(f"      error: {e[:160]}")
+    return out
+
+
+def _balance_lines(summary: dict) -> list[str]:
+    """What the scheduler balances, for the modes that have one."""
+    sched = {mode: m for mode, m in summary["modes"].items() if mode.startswith("dualpath")}
+    if not sched:
+        return []
+
+    def fwd(x: dict | None) -> str:
+        if not x:
+            return "n/a"
+        return f"{x['median']:.3f} (max {x['max']:.3f}, {x['steps']} steps)" if x.get("steps") else "no steps"
+
+    lines = ["balance: SNIC kv bytes max/avg; PE attention time max/avg per forward step while every PE is "
+             "loaded (CPU time of the engines' compute; wall time beside it)"]
+    for mode, m in sched.items():
+        groups = m.get("scheduler", {}).get("groups", {})
+        pulled = sum(g.get("assigned", 0) for g in groups.values())
+        lines.append(f"  {mode:<15} SNIC {m['snic_max_over_avg']}  attention {fwd(m['forward_attention_max_over_avg'])}"
+                     f"  wall {fwd(m['forward_attention_wall_max_over_avg'])}  passes {m['forward_batches']}, "
+                     f"chunked requests {m['chunked_requests']}, paths {m['paths']}"
+                     + (f", {pulled} assignments pulled by {len(groups)} group leaders" if groups else ""))
+    return lines
+
+
+def _rdma_bench_lines(r: dict) -> list[str]:
+    def f(x, fmt=".3f"):
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"NIXL over UCX rc_verbs on Soft-RoCE (rxe, RDMA MTU {r['rdma_mtu']}) vs perftest on the same "
+             f"link ({r['link']}; rxe {', '.join(r['rxe'].values())}), medians of interleaved rounds"]
+    for k, what in (("unshaped", "unshaped"), ("shaped", f"shaped at {r['shaped_rate_bps'] / 1e6:g} Mbit/s")):
+        x = r[k]
+        lines.append(f"  {what}: READ {f(x['READ_median_GBps'])} GB/s = {f(x['READ_over_perftest_median'], '.2f')} of "
+                     f"ib_read_bw ({f(x['perftest_READ_median_GBps'])}), WRITE {f(x['WRITE_median_GBps'])} GB/s = "
+                     f"{f(x['WRITE_over_perftest_median'], '.2f')} of ib_write_bw ({f(x['perftest_WRITE_median_GBps'])}); "
+                     f"rxe sent_pkts +{x['rxe_sent_pkts']}, proven {x['rdma_proven']}")
+        cpu = x.get("machine_cpu_s_per_GB")
+        if cpu:
+            lines.append(f"    machine CPU per GB moved: user {cpu.get('user')} s, system {cpu.get('system')} s, "
+                         f"softirq {cpu.get('softirq')} s (busy {cpu.get('busy_share')})")
+    for s in r["unshaped"].get("submission", []):
+        lines.append(f"  posting {s['ndesc']} x {s['desc_len'] // 1024} KiB {s['op']}: "
+                     f"{s['batch']['post_us_per_desc_median']:.1f} us/descriptor batched (1 request) vs "
+                     f"{s['each']['post_us_per_desc_median']:.1f} one by one ({s['post_ratio_each_over_batch']:.1f}x); "
+                     f"to completion {s['batch']['total_us_per_desc_median']:.1f} vs {s['each']['total_us_per_desc_median']:.1f}")
+    c = r["class_bytes_into_initiator"]
+    lines.append(f"  HTB classes into the initiator's CNIC during a READ/WRITE check over rxe: kv {c['kv']} bytes, "
+                 f"model {c['model']} bytes")
+    lines.append(f"  RDMA {'PROVEN' if r['rdma_proven'] else 'NOT PROVEN'} by the rxe hw_counters "
+                 f"(sent_pkts +{r['rxe_sent_pkts']} over the benchmark)" + (f": {r['error']}" if r.get("error") else ""))
+    return lines
+
+
+def bench_lines(what: str, r: dict) -> list[str]:
+    if what == "transport" and r.get("transport") == "rdma":
+        return _rdma_bench_lines(r)
+    if what == "transport":
+        lines = [f"NIXL over UCX/TCP vs iperf3 on the same link ({r['link']}), medians of interleaved rounds"]
+        for k in ("unshaped", "shaped"):
+            x = r[k]
+            lines.append(f"  {k:<9} READ {x['READ_median_GBps']:.3f} GB/s ({x['READ_over_iperf3_median']:.2f} of iperf3), "
+                         f"WRITE {x['WRITE_median_GBps']:.3f} GB/s ({x['WRITE_over_iperf3_median']:.2f}); "
+                         f"iperf3 {x['iperf3']['median_GBps']:.3f} GB/s")
+        for s in r["shaped"].get("submission", []):
+            lines.append(f"  posting {s['ndesc']} x {s['desc_len'] // 1024} KiB {s['op']}: "
+                         f"{s['batch']['post_us_per_desc_median']:.1f} us/descriptor batched (1 request) vs "
+                         f"{s['each']['post_us_per_desc_median']:.1f} one by one ({s['post_ratio_each_over_batch']:.1f}x)")
+        c = r["class_bytes_into_initiator"]
+        lines.append(f"  HTB classes into the initiator's CNIC during a READ/WRITE check: kv {c['kv']} bytes, "
+                     f"model {c['model']} bytes (the benchmark's own control socket)")
+        return lines
+    sh = r["shaped"]
+    lines = [f"store reads through the shaped SNIC ({r['snic_rate_bps'] / 1e6:g} Mbit/s) vs iperf3 on it: "
+             f"median ratio {sh['ratio_median']:.3f} (runs {', '.join(f'{x:.3f}' for x in sh['ratios'])})"]
+    for key in ("unshaped_vs_fio", "unshaped_vs_fio_2_servers"):
+        un = r.get(key)
+        if un:
+            lines.append(f"store reads unshaped ({un['n_servers']} server(s), cold cache, CRC checked) vs fio "
+                         f"(O_DIRECT seq read) on the same disk: ratio {un['ratio']:.3f} (store "
+                         f"{un['store_cold_gbps']} GB/s, fio {un['fio_direct_gbps']} GB/s; runs {un['ratio_runs']})")
+    return lines

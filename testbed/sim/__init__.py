@@ -1,0 +1,1 @@
+"""Driving the simulator from a topology, and validating it against testbed runs."""
