@@ -2,7 +2,7 @@
 """Keep a run folder in the repository, compactly: `scripts/keep_run.py RUN DEST`.
 
 Copies summary.json, report.md and plan.json (and any PNG) of the run folder RUN to DEST, and every
-`*.jsonl` gzip-compressed (`NAME.jsonl.gz`, which testbed.reproduce.runs reads like the plain file),
+`*.jsonl` gzip-compressed (`NAME.jsonl.gz`, which testbed.measure.runs reads like the plain file),
 so a committed report can link the runs it used by a path that exists in the repository. Refuses a
 folder that is not a run, and a DEST that exists (a kept run is not overwritten by another).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from testbed.reproduce.runs import _is_run  # noqa: E402
+from testbed.measure.runs import _is_run  # noqa: E402
 
 KEEP = ("summary.json", "report.md", "plan.json")
 

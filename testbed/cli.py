@@ -12,9 +12,8 @@ from typing import Optional
 
 import typer
 
-from testbed.topology import TopologyError, load_topology
+from testbed.topology import DEFAULT_TOPOLOGY, TopologyError, load_topology
 
-DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topologies" / "1p1d.yaml"
 DEMO_TOPOLOGY = DEFAULT_TOPOLOGY.parent / "1p1d-io.yaml"  # I/O-bound: where DualPath matters
 # The demo's link scale, above the file's 0.0016 (k = 4.88): the dilation absorbs the scale, so
 # emulated times do not change, but the testbed's run time shrinks with k and the CPU's headroom
@@ -70,9 +69,9 @@ def _topology(path: Optional[Path]):
 
 
 def _fabric(topo, kind: str, transport: str = "tcp"):
-    """The fabric of a foreground command, holding the run directory (testbed.api.claimed_fabric):
+    """The fabric of a foreground command, holding the run directory (testbed.fabric.access.claimed_fabric):
     a testbed already up, or a dead one's leftovers, end the command with one line saying which."""
-    from testbed.api import claimed_fabric
+    from testbed.fabric.access import claimed_fabric
 
     return claimed_fabric(topo, transport, owner_kind=kind)
 
@@ -236,7 +235,7 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
         _check_rdma(topology, as_json, out)
     _need_root()
     from testbed.calibrate.check import check as run_check
-    from testbed.measure.report import check_lines, write_check
+    from testbed.calibrate.report import check_lines, write_check
 
     t = _topology(topology)
     progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
@@ -256,7 +255,7 @@ def check(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"
 def _check_rdma(topology: Optional[Path], as_json: bool, out: Optional[Path]) -> None:
     """`dualpath check --rdma`: proof of transport, not configuration (see rdma_check)."""
     from dualpath.transport.env import RdmaUnavailableError
-    from testbed.fabric.rdma_preflight import rdma_check, rdma_preflight
+    from testbed.calibrate.rdma_preflight import rdma_check, rdma_preflight
 
     progress = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
     if os.geteuid() != 0:
@@ -387,7 +386,7 @@ def _bench_lines(what: str, res: dict, mooncake: bool) -> list[str]:
         from testbed.calibrate.benches.transport_mooncake import lines
 
         return lines(res)
-    from testbed.measure.report import bench_lines
+    from testbed.calibrate.report import bench_lines
 
     return bench_lines(what, res)
 
@@ -604,7 +603,7 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
               fresh: bool = typer.Option(False, help="run again even where a FAITHFUL run of the same config exists")) -> None:
     """Reproduce one table or figure of the paper: summary.json, PNGs and report.md."""
     from testbed.reproduce import IDS, UnknownId, module, reproduce_id
-    from testbed.reproduce.runs import RunError
+    from testbed.measure.runs import RunError
 
     if list_ids:
         for i in IDS:
@@ -691,7 +690,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
     if burst and not calibrate:
         _fail("sim: --burst goes with --calibrate (the measured burst becomes part of the calibration)")
     if calibrate:
-        from testbed.reproduce.runs import RunError, load_run
+        from testbed.measure.runs import RunError, load_run
         from testbed.sim.validate import calibrate as fit
 
         try:
@@ -719,7 +718,7 @@ def sim_cmd(topology: Optional[Path] = typer.Argument(None, help="topology YAML 
     except ValueError as e:
         _fail(f"sim --calibration: {e}")
     if validate:
-        from testbed.reproduce.runs import RunError, load_run
+        from testbed.measure.runs import RunError, load_run
         from testbed.sim.validate import validate_to_folder
 
         if cal_path is None:

@@ -239,7 +239,7 @@ def split_exec_args(args: list[str]) -> tuple[list[str], ExecOptions]:
 
 def exec_argv(node: str, argv: list[str], opts: ExecOptions = ExecOptions()) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run `argv` in a live testbed's node namespace."""
-    from testbed.api import TestbedError, class_argv, enable_class_marking, find_endpoint, node_argv, node_env
+    from testbed.fabric.access import TestbedError, class_argv, enable_class_marking, find_endpoint, node_argv, node_env
 
     if not argv:
         raise TestbedError("exec: no command; usage: dualpath exec NODE -- CMD [ARGS...]")

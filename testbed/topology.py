@@ -33,6 +33,7 @@ Bounds on what the emulation can carry (each with its reason):
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,10 @@ MAX_ENGINES = 256
 from dualpath.analysis import method
 from dualpath.analysis.bounds import pd_bounds
 from dualpath.analysis.testbed_bounds import testbed_model
+from testbed.paths import REPO
+
+TOPOLOGIES = REPO / "topologies"  # the shipped topologies
+DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
 
 
 class TopologyError(ValueError):
@@ -609,3 +614,27 @@ def _short_repr(v: Any, limit: int = 40) -> str:
     from dualpath.store.errors import short_repr
 
     return short_repr(v, limit)
+
+
+def resolve_topology(name: str | os.PathLike[str] | None) -> Path:
+    """A topology path, or the name of a shipped one ("1p1d" -> topologies/1p1d.yaml)."""
+    if name is None:
+        return DEFAULT_TOPOLOGY
+    p = Path(name)
+    if p.exists() or p.suffix in (".yaml", ".yml") or os.sep in str(name):
+        return p
+    shipped = TOPOLOGIES / f"{name}.yaml"
+    return shipped if shipped.exists() else p
+
+
+def topology_with(name: str, overrides: dict[str, Any]):
+    """topologies/<name>.yaml, validated, with `overrides` applied (the name then says so)."""
+    path = TOPOLOGIES / f"{name}.yaml"
+    if not overrides:
+        return load_topology(path)
+    raw = yaml.safe_load(path.read_text())
+    raw.update(overrides)
+    if "name" not in overrides:
+        tail = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()) if k != "description")
+        raw["name"] = (name + re.sub(r"[^A-Za-z0-9.-]", "", tail))[:60]  # the name's alphabet
+    return parse_topology(raw, source=f"{path} with {overrides}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("dualpath", "testbed", "emulators")
+PACKAGES = ("dualpath", "testbed", "emulators", "simulator")
 
 
 def modules() -> dict[str, Path]:
@@ -119,3 +119,58 @@ def test_no_import_cycles():
     graph = import_graph(modules())
     assert "testbed.experiments.ablation" in graph["testbed.cli"] or "testbed.experiments.ablation" in graph["testbed.reproduce.execute"]
     assert cycles(graph) == []
+
+
+# The rooms of the tree, highest first: a room may import only rooms below it (docs/architecture.md,
+# "The folders are the layers"). testbed's topology and paths modules are its floor, under every room.
+LAYERS = [
+    ("testbed.cli", "testbed.api", "testbed.detach", "testbed.pytest_plugin"),
+    ("testbed.reproduce",),
+    ("testbed.sim", "testbed.experiments", "testbed.calibrate"),
+    ("testbed.measure", "testbed.cluster"),
+    ("testbed.fabric",),
+    ("testbed.topology",),
+    ("testbed.paths",),
+    ("simulator", "emulators"),
+    ("dualpath",),
+]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for i, rooms in enumerate(LAYERS):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > best[1]):
+                best = (i, len(room))
+    if best is None:
+        raise AssertionError(f"{module} is in no layer; add its room to LAYERS and docs/architecture.md")
+    return best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a room to a room above it (within one layer, rooms may not import each other
+    either, except inside one room)."""
+    def room(m: str) -> str:
+        return next(r for rooms in LAYERS for r in rooms if m == r or m.startswith(r + "."))
+    bad = []
+    for m, targets in graph.items():
+        if m == "testbed":  # the package's face hands on Testbed lazily
+            continue
+        for t in targets:
+            if t == "testbed":
+                continue
+            if layer_of(t) < layer_of(m) or (layer_of(t) == layer_of(m) and room(t) != room(m) and layer_of(m) != 0):
+                bad.append(f"{m} -> {t}")
+    return sorted(bad)
+
+
+def test_the_layer_check_catches_an_import_that_points_up():
+    assert upward_imports({"testbed.fabric.network": {"testbed.measure.fidelity"}}) == \
+        ["testbed.fabric.network -> testbed.measure.fidelity"]
+    assert upward_imports({"testbed.sim.drive": {"testbed.experiments.ablation"}}) == \
+        ["testbed.sim.drive -> testbed.experiments.ablation"]
+    assert upward_imports({"testbed.reproduce.fig7": {"testbed.sim.drive", "dualpath.model"}}) == []
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(import_graph(modules())) == []

@@ -277,7 +277,7 @@ def test_fallback_control_counts_only_a_failure_the_counters_saw(monkeypatch):
     sent too few packets; counters that could not be read at all (measured in the VM, from
     inside an engine's namespace) fail every run alike, and so tell nothing."""
     import testbed.calibrate.benches as benches
-    from testbed.fabric.rdma_preflight import _fallback_control
+    from testbed.calibrate.rdma_preflight import _fallback_control
 
     unread = rdma.prove({}, {"a": 8 << 20}, 4096)
     silent = rdma.prove({"a": {"sent_pkts": 0}}, {"a": 8 << 20}, 4096)
@@ -309,7 +309,7 @@ def test_fallback_control_counts_an_agent_ucx_refused_as_caught(monkeypatch):
     """Without tcp in UCX_TLS an unpreloaded agent cannot fall back: UCX finds no transport and
     the initiator dies (measured in the VM: exit -11 after "no usable transports/devices")."""
     import testbed.calibrate.benches as benches
-    from testbed.fabric.rdma_preflight import _fallback_control
+    from testbed.calibrate.rdma_preflight import _fallback_control
 
     def refuse(*a, **k):
         raise RuntimeError("transport benchmark initiator failed (exit -11): ucp_context.c:1770 UCX ERROR no "

@@ -8,7 +8,7 @@ import pytest
 
 from dualpath.analysis.testbed_bounds import SNIC_RX
 from testbed.reproduce import bounds, module, reproduce_id
-from testbed.reproduce.runs import load_run
+from testbed.measure.runs import load_run
 from tests.reproduce_helpers import RunFolder, is_valid_png, plan_json
 
 RATES = {"snic": 20e6, "cnic": 80e6, "host_port": 80e6, "storage_nic": 320e6}  # 1p1d-bounds, bit/s

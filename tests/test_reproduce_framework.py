@@ -7,7 +7,7 @@ import pytest
 from testbed.reproduce import IDS, match_runs, module, online
 from testbed.reproduce import execute as ex
 from testbed.reproduce.plan import OnlineSpec, RunConfig, WorkloadSpec, estimate
-from testbed.reproduce.runs import RunError, find_runs, load_run
+from testbed.measure.runs import RunError, find_runs, load_run
 from tests.conftest import dualpath
 from tests.reproduce_helpers import RunFolder, online_run, plan_json, record
 

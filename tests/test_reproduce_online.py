@@ -66,7 +66,7 @@ def test_a_storage_nic_that_never_idles_fails_the_slo_with_flat_ttfts():
 def test_storage_busy_is_each_nics_busiest_direction_over_the_measured_span(tmp_path):
     """Cumulative [rx, tx] samples in testbed s; the span in emulated s (x K). 48 Mbit/s is 6 MB/s:
     between t = 2 and 10 the PE's SNIC received 47.52 MB (99 %), the DE's sent 12 MB (25 %)."""
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     links = [{"t": t, "cpu_busy": None, "nics": {"dpt-p0/snic": [int(rx), 0], "dpt-d0/snic": [0, int(tx)]}}
              for t, rx, tx in ((0.0, 0, 0), (2.0, 1e6, 5e5), (10.0, 1e6 + 47.52e6, 5e5 + 12e6), (14.0, 6e7, 2e7))]

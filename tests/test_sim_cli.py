@@ -104,7 +104,7 @@ def test_aggregate_judges_the_targets_and_the_held_out_rows_apart():
 def test_a_run_made_at_another_dilation_is_refused(tmp_path):
     """A committed run whose topology file has since changed its scale is not silently simulated
     at the new rates: the error names the run, both dilations and the fix."""
-    from testbed.reproduce.runs import Run
+    from testbed.measure.runs import Run
 
     summary = {"topology": "1p1d-io", "dilation": 3.125, "time": {"kv_bytes_per_token": {"testbed": 2048}}, "modes": {}}
     run = Run(tmp_path, summary)
@@ -122,7 +122,7 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
     the simulated run then lasts at least until its last agent arrived."""
     from dualpath.workload import poisson_arrivals
     from simulator.calibration import Calibration
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     run = load_run(REPO / "results" / "e2e" / "online-1p1d-io-1.5aps")
     assert run.aps == 1.5
@@ -138,7 +138,7 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
     topology name is the ladder's configuration), and another workload or topology is. A
     calibration without the records is judged by (topology name, online) alone."""
     from simulator.calibration import Calibration
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     e2e = REPO / "results" / "e2e"
     ladder, online = load_run(e2e / "ladder-1p1d-io"), load_run(e2e / "online-1p1d-io-1.5aps")
@@ -162,7 +162,7 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
 def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
     """Held-out rows are judged by configuration, so a fit over two topologies would leave none
     to hold out honestly: refused with both names, before any simulation."""
-    from testbed.reproduce.runs import Run
+    from testbed.measure.runs import Run
 
     def run(topo: str) -> Run:
         return Run(tmp_path / topo, {"topology": topo, "modes": {"basic": {"faithful": True}}})
@@ -281,7 +281,7 @@ def test_repeats_of_one_configuration_are_compared_as_their_mean(tmp_path):
     import shutil
 
     from simulator.calibration import Calibration
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     src = REPO / "results" / "e2e" / "repeat-1p2d-io-rr-1"
 
@@ -317,7 +317,7 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
     import shutil
 
     from simulator.calibration import Calibration
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     assert sv.dispersion([1.0] * 10) == 0.0 and sv.dispersion([1.0, 2.0]) is None
     # quartiles 2.5 and 7.5 (the exclusive method), median 5
@@ -369,7 +369,7 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
 def test_a_reproduce_run_is_labelled_by_its_topology_file_and_folder():
     """Runs of `dualpath reproduce` all carry the derived topology name of their overrides; their
     validation rows must still say which workload each is."""
-    from testbed.reproduce.runs import load_run
+    from testbed.measure.runs import load_run
 
     e2e = REPO / "results" / "e2e"
     assert sv.run_label(load_run(e2e / "fig7-64K-4a-turns4")) == "1p1d-io fig7-64K-4a-turns4"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.api import TestbedError, find_endpoint, node_argv, resolve_topology, TOPOLOGIES
+from testbed.api import TestbedError
+from testbed.fabric.access import find_endpoint, node_argv
+from testbed.topology import TOPOLOGIES, resolve_topology
 
 pytest_plugins = ["pytester"]
 

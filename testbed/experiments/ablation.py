@@ -25,7 +25,7 @@ from testbed.cluster.processes import CONDUCTOR_IP, Cluster
 from testbed.measure.collectives import collective_stats
 from testbed.cluster.conductor import MODES, Conductor, RequestRecord
 from testbed.cluster.modes import PATH_POLICY
-from testbed.api import claimed_fabric
+from testbed.fabric.access import claimed_fabric
 from testbed.fabric.network import Fabric
 from testbed.cluster.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector, lost_blocks
 from dualpath.store.keys import chain_keys

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from dualpath.traffic_classes import KV, MODEL
 from dualpath.workload import Workload
-from testbed.api import claimed_fabric
+from testbed.fabric.access import claimed_fabric
 from testbed.cluster.processes import Cluster
 from testbed.experiments.ablation import ModeResult, _run_mode, run_geometry, summarize, write_results
 from testbed.fabric.network import Fabric

@@ -4,7 +4,7 @@ Every name the testbed creates is fixed by the topology (dpt-p0e0, dpt-cbr, ...)
 machine can hold one testbed at a time. Its state lives in one directory, `RUN_DIR`:
 creating it (an atomic mkdir) is the claim, made by every bring-up (a Testbed, the detached
 runner, and the foreground fabric of `dualpath run`, `check`, `bench` and the reproduce and
-isolation runs: testbed.api.claimed_fabric), so a second one fails with a clear error
+isolation runs: testbed.fabric.access.claimed_fabric), so a second one fails with a clear error
 instead of building over the first; `state.json` inside records the owner process and
 every namespace, NIC, address, store endpoint, transport agent and process, so that
 `dualpath status`, `exec` and `down` work from any shell, and `down` can remove exactly

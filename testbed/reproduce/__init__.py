@@ -83,7 +83,7 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
                  progress: Callable[[str], None] = print, run_id: str | None = None):
     """Reproduce one id; returns (output folder, Result). With `run_folders`, analyse those
     (nothing runs); otherwise execute the plan's runs first (needs root and the testbed)."""
-    from testbed.reproduce.runs import find_runs
+    from testbed.measure.runs import find_runs
 
     mod = module(fig_id)
     plan = mod.plan(quick)

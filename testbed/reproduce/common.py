@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from testbed.reproduce.runs import Run
+from testbed.measure.runs import Run
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Callable
 
 from testbed.reproduce import online as online_mod
 from testbed.reproduce.plan import Plan, RunConfig
-from testbed.reproduce.runs import Run, _is_run, load_run, write_plan
+from testbed.measure.runs import Run, _is_run, load_run, write_plan
 
 
 def build_workload(cfg: RunConfig, dilation: float):
@@ -44,7 +44,7 @@ def build_workload(cfg: RunConfig, dilation: float):
 def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[str], None] = print,
                checkpoint: Path | None = None) -> Run:
     """One config as one `dualpath run` into run_dir (needs root and the testbed)."""
-    from testbed.api import demo_checkpoint
+    from dualpath.model.registry import prepare_tiny as demo_checkpoint
     from testbed.experiments.ablation import run_geometry, run_to_folder
 
     topo = cfg.topology_obj()

@@ -65,10 +65,10 @@ def plan(quick: bool = False) -> Plan:
 def run_config(cfg: RunConfig, run_dir: Path, command: str, progress: Callable[[str], None] = print,
                checkpoint: Path | None = None):
     """The isolation run of `cfg` into run_dir (root, the testbed): the executor's runner for this id."""
-    from testbed.api import demo_checkpoint
+    from dualpath.model.registry import prepare_tiny as demo_checkpoint
     from testbed.experiments.isolation import run_isolation
     from testbed.reproduce.execute import build_workload
-    from testbed.reproduce.runs import load_run, write_plan
+    from testbed.measure.runs import load_run, write_plan
 
     topo = cfg.topology_obj()
     ckpt = checkpoint or demo_checkpoint()

@@ -44,7 +44,7 @@ from testbed.reproduce import paper
 from testbed.reproduce.common import mean
 from testbed.reproduce.plan import (IO_1P1D_OVERRIDES, OnlineSearch, OnlineSpec, Plan, RunConfig, WorkloadSpec,
                                     io_capacity_aps)
-from testbed.reproduce.runs import Run
+from testbed.measure.runs import Run
 
 WARMUP = 0.2
 N_WINDOWS = 8

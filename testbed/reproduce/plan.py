@@ -31,8 +31,8 @@ from typing import Any
 from dualpath.workload import generate, turn_hits
 from dualpath.workload.spec import WorkloadSpec  # noqa: F401  (the configs' vocabulary, re-exported)
 from dualpath.workload.trace import TraceSpec
+from testbed.topology import TOPOLOGIES, topology_with
 
-TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
 RUN_BLOCK_TOKENS = 32  # = testbed.experiments.ablation.RUN_BLOCK_TOKENS (not imported: that pulls in the cluster)
 DEMO_KV_BYTES_PER_TOKEN = 2048  # = dualpath.model.tiny.DEMO_KV_BYTES_PER_TOKEN (the demo checkpoint)
 PAPER_SCALE = 32  # the paper presets' lengths are divided by this (64K MaxLen -> 2048, the demo's)
@@ -62,23 +62,6 @@ class OnlineSpec:
 
     aps: float
     seed: int = 0
-
-
-def topology_with(name: str, overrides: dict[str, Any]):
-    """topologies/<name>.yaml, validated, with `overrides` applied (the name then says so)."""
-    import yaml
-
-    from testbed.topology import load_topology, parse_topology
-
-    path = TOPOLOGIES / f"{name}.yaml"
-    if not overrides:
-        return load_topology(path)
-    raw = yaml.safe_load(path.read_text())
-    raw.update(overrides)
-    if "name" not in overrides:
-        tail = "".join(f"-{k}{v}" for k, v in sorted(overrides.items()) if k != "description")
-        raw["name"] = (name + re.sub(r"[^A-Za-z0-9.-]", "", tail))[:60]  # the name's alphabet
-    return parse_topology(raw, source=f"{path} with {overrides}")
 
 
 @dataclass

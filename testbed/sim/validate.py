@@ -50,8 +50,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from simulator.calibration import Calibration
-from testbed.reproduce.plan import TOPOLOGIES, topology_with
-from testbed.reproduce.runs import Run
+from testbed.topology import TOPOLOGIES, topology_with
+from testbed.measure.runs import Run
 from testbed.measure.metrics import percentiles, token_latencies
 from testbed.paths import REPO
 from testbed.sim.drive import Geometry, sim_config, simulate, summarize, trace_of_run, trajectories, workload_of_run

@@ -5,7 +5,7 @@ Between two engine namespaces (target in d0e0, initiator in p0e0) over the CNICs
 topology's rate, Mooncake's TCP transport (the wheel `mooncake-transfer-engine-non-cuda`; its
 handshake in P2PHANDSHAKE mode, so no metadata server) READs and WRITEs one registered buffer,
 byte-exact, and iperf3 runs between the same two namespaces. Every process runs in the kv class:
-its group marks each connection it opens (`dualpath exec --class`, testbed.api.class_argv), since
+its group marks each connection it opens (`dualpath exec --class`, testbed.fabric.access.class_argv), since
 Mooncake picks its own ports and the kv port range cannot reach them. Rounds interleave iperf3 and
 the transfers, so that a busy machine disturbs both sides of each ratio alike; the figures are the
 per-round ratios' medians. Mooncake's own `transfer_engine_bench` runs across the same two
@@ -143,7 +143,7 @@ def _pair(fab, size: int, reps: int, rdma: bool = False) -> dict[str, Any]:
 
 
 def _iperf(fab) -> float:
-    from testbed.api import class_argv
+    from testbed.fabric.access import class_argv
     from testbed.fabric.iperf import IperfServer, client_argv, parse_client
     from testbed.fabric.shell import run
 
@@ -198,7 +198,7 @@ def engine_bench(fab, wheel: Path, scratch: Path) -> dict[str, Any]:
 
 
 def _in_class(ns: str, argv: list[str]) -> list[str]:
-    from testbed.api import class_argv
+    from testbed.fabric.access import class_argv
     from testbed.fabric.shell import ns_argv
 
     return class_argv(ns_argv(ns, argv), CLASS)
@@ -219,7 +219,7 @@ def _segment_of(log: Path, proc: subprocess.Popen, timeout_s: float = 20.0) -> s
 
 def bench_transport_mooncake(fab, scratch: Path, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Mooncake READ and WRITE against iperf3 on the shaped CNIC, in interleaved rounds."""
-    from testbed.api import enable_class_marking
+    from testbed.fabric.access import enable_class_marking
 
     wheel = need_mooncake()
     for name in ("p0e0", "d0e0"):

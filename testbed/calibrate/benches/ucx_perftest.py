@@ -5,7 +5,7 @@ Between two engine namespaces (server in d0e0, client in p0e0), over the CNICs s
 topology's rate: `ucx_perftest` (Debian's ucx-utils, its own UCX build) runs tag_bw (two-sided)
 and ucp_put_bw and ucp_get (one-sided RMA) over UCX's TCP transport on the CNIC, and iperf3 runs
 between the same two namespaces; every program runs in the class asked for (`--class`: its group
-marks every packet, testbed.api.class_argv), kv and then model. The HTB class counters of the
+marks every packet, testbed.fabric.access.class_argv), kv and then model. The HTB class counters of the
 sending CNIC (p0e0's; d0e0's for get, whose responder sends) say which class carried the bytes.
 Figures are ratios measured side by side in one run: perftest's bandwidth over iperf3's goodput on
 the same link in the same class.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 from dualpath.traffic_classes import CLASS_GIDS
 from dualpath.transport.env import build_ucx_env
 from emulators.nic import CLASS_IDS
-from testbed.api import class_argv, enable_class_marking
+from testbed.fabric.access import class_argv, enable_class_marking
 from testbed.fabric.counters import class_bytes
 from testbed.fabric.network import Fabric
 from testbed.fabric.iperf import IperfServer, client_argv, parse_client
