@@ -15,7 +15,7 @@ test: setup
 clean: setup
 	@$(PY) -m testbed.cli clean
 
-# Soft-RoCE (rdma_rxe) in a VM built from Debian packages (scripts/vm.sh; README "Soft-RoCE").
+# Soft-RoCE (rdma_rxe) in a VM built from Debian packages (scripts/vm.sh; docs/softroce.md).
 vm-image:
 	@bash scripts/vm.sh build
 

