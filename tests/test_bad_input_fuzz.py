@@ -440,9 +440,10 @@ GUARDED_CLI = (
 
 
 def test_fuzz_cli_arguments(tmp_path, tiny_ckpt, capsys, monkeypatch):
-    from testbed import cli
+    from testbed.cli import run as cli
 
-    monkeypatch.setattr(cli, "_fabric", lambda _t: pytest.fail("would bring a topology up"))
+    monkeypatch.setattr("testbed.cli.shared._fabric", lambda _t: pytest.fail("would bring a topology up"))
+    monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", lambda *_a: pytest.fail("would bring a topology up"))
     rng = random.Random(SEED + 4)
     topo = REPO / "topologies" / "1p1d.yaml"
     good_out = tmp_path / "out"

@@ -18,7 +18,8 @@ import pytest
 import torch
 import typer
 
-from testbed import cli
+from testbed.cli import shared as cli_shared
+from testbed.cli import run as cli
 from tests.conftest import REPO
 
 TOPO = REPO / "topologies" / "1p1d.yaml"
@@ -36,7 +37,8 @@ def no_bring_up(monkeypatch):
     def guard(_topo):
         raise AssertionError("the test would have brought a topology up")
 
-    monkeypatch.setattr(cli, "_fabric", guard)
+    monkeypatch.setattr(cli_shared, "_fabric", guard)
+    monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", guard)
 
 
 def refused(capsys, *args, words: tuple[str, ...], fix: bool = True) -> str:
@@ -115,7 +117,7 @@ def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, t
 
     # The fabric is faked, so what a real run on this host left behind is not this test's business.
     monkeypatch.setattr(cleanup, "find_leftovers", lambda *a, **k: cleanup.Leftovers())
-    monkeypatch.setattr(cli, "_fabric", fake_fabric)
+    monkeypatch.setattr(cli_shared, "_fabric", fake_fabric)
     monkeypatch.setattr(experiment, "claimed_fabric", fake_fabric)  # no namespaces, no run directory
     monkeypatch.setattr(experiment, "run_e2e", fake_run)
     monkeypatch.setattr(experiment, "summarize", lambda *a: {"modes": {}})

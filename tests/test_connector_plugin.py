@@ -19,7 +19,7 @@ from dualpath.kv.plugin import (
     CONTRACT_VERSION, CheckedDecode, CheckedPrefill, ConnectorError, ConnectorPlugin, check_plugin, connector_name,
     load_plugin, parse_spec, resolve,
 )
-from testbed import cli
+from testbed.cli import run as cli
 from testbed.measure.report import failed_checks
 from testbed.topology import TopologyError, load_topology
 from tests.conftest import REPO

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from testbed import cli
+from testbed.cli import run as cli
 from testbed.cluster.conductor import RequestRecord
 from tests.conftest import REPO
 
@@ -31,7 +31,8 @@ def no_bring_up(monkeypatch):
     def guard(_topo):
         raise AssertionError("the test would have brought a topology up")
 
-    monkeypatch.setattr(cli, "_fabric", guard)
+    monkeypatch.setattr("testbed.cli.shared._fabric", guard)
+    monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", lambda *_a: guard(None))
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_the_online_figures_share_their_runs():
 def test_estimate_of_the_demo_matches_the_readme():
     """The README: the demo (24 agents, 5 modes on 1p1d-io at the demo's link scale) stays within
     three minutes; the estimate runs high (the plan's fixed costs are generous)."""
-    from testbed.cli import DEMO_SCALE
+    from testbed.cli.shared import DEMO_SCALE
 
     modes = ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle")
     cfg = RunConfig("demo", "1p1d-io", modes, WorkloadSpec(), topology_overrides={"scale": DEMO_SCALE})

@@ -1,7 +1,7 @@
 """Run a reproduction's plan on the testbed: each config is one `dualpath run`.
 
 `run_config` is the one function that runs a config. It does what `dualpath run` does
-(testbed.cli._run_e2e): bring the topology up, `run_e2e` in every mode, `summarize`,
+(testbed.cli.run._run_e2e): bring the topology up, `run_e2e` in every mode, `summarize`,
 `write_results`, report.md; it builds the workload from the config's WorkloadSpec (the paper's
 presets, scaled, with the append/generation/turn knobs) instead of the demo's, and writes
 plan.json beside the results (which config, its digest) so the folder can be found and reused.

@@ -1,0 +1,4 @@
+"""`python -m testbed.cli`: the `dualpath` command."""
+from testbed.cli import main
+
+main()

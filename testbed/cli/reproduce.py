@@ -1,0 +1,60 @@
+"""`reproduce`: one table or figure of the paper."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from testbed.cli.shared import _fail, _need_root, app
+
+
+@app.command()
+def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds, isolation (see --list)"),
+              quick: bool = typer.Option(False, "--quick", help="the small size (at most ~10 min of runs)"),
+              out: Path = typer.Option(Path("results/reproduce"), help="results go to OUT/<id>/<run-id>/, runs to OUT/runs/"),
+              list_ids: bool = typer.Option(False, "--list", help="print the ids, one per line"),
+              plan_only: bool = typer.Option(False, "--plan", help="print the runs it needs and their estimated time; run nothing"),
+              runs: Optional[list[Path]] = typer.Option(None, "--runs", help="analyse these run folders (or folders "
+                                                        "of them) instead of running; repeatable"),
+              fresh: bool = typer.Option(False, help="run again even where a FAITHFUL run of the same config exists")) -> None:
+    """Reproduce one table or figure of the paper: summary.json, PNGs and report.md."""
+    from testbed.reproduce import IDS, UnknownId, module, reproduce_id
+    from testbed.measure.runs import RunError
+
+    if list_ids:
+        for i in IDS:
+            typer.echo(i)
+        return
+    if not fig:
+        _fail("reproduce: name an id (dualpath reproduce --list)")
+    try:
+        plan = module(fig).plan(quick)
+    except UnknownId as e:
+        _fail(f"reproduce: {e}")
+    if plan_only:
+        for line in plan.lines():
+            typer.echo(line)
+        return
+    if plan.configs and runs is None:
+        _need_root()  # something will run on the testbed
+        for line in plan.lines():
+            typer.echo(line)
+    try:
+        folder, result = reproduce_id(fig, quick=quick, out_root=out, command=" ".join(["dualpath", *sys.argv[1:]]),
+                                      run_folders=runs, fresh=fresh, progress=typer.echo)
+    except RunError as e:
+        _fail(f"reproduce: {e}")
+    for h in result.headline:
+        def f(v):
+            return "—" if v is None else f"{v:.4g}"
+        typer.echo(f"  {h.name}: testbed {f(h.testbed)}, paper {f(h.paper)}, bound {f(h.bound)}")
+    verdict = ("no runs needed" if result.no_runs_needed else "FAITHFUL" if result.faithful else
+               "NOT FAITHFUL" if result.used else "no run available")
+    typer.echo(f"{fig}: {verdict}")
+    for why in sorted(set(result.missing.values())):
+        keys = [k for k, v in result.missing.items() if v == why]
+        typer.echo(f"  incomplete: {len(keys)} run(s) missing ({', '.join(keys)}): {why}")
+    typer.echo(f"results: {folder}/summary.json, report.md, {', '.join(result.pngs) or 'no figure'}")
+    raise typer.Exit(0 if (result.faithful and not result.missing) else 1)
