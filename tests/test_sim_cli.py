@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from testbed.sim import fit as sf
 from testbed.sim import validate as sv
+from testbed.sim import validation_report as sr
 from tests.conftest import REPO
 
 
@@ -56,9 +58,9 @@ def test_nnls_recovers_nonnegative_coefficients():
     rng = np.random.default_rng(0)
     X = np.column_stack([np.ones(50), rng.uniform(1, 5, 50), rng.uniform(0, 1, 50)])
     y = X @ np.array([0.5, 0.0, 2.0])
-    assert sv._nnls(X, y) == pytest.approx([0.5, 0.0, 2.0], abs=1e-9)
+    assert sf._nnls(X, y) == pytest.approx([0.5, 0.0, 2.0], abs=1e-9)
     # the unconstrained fit would go negative on the middle column: held at 0
-    assert sv._nnls(X, y - 0.1 * X[:, 1])[1] == 0.0
+    assert sf._nnls(X, y - 0.1 * X[:, 1])[1] == 0.0
 
 
 def test_levenberg_marquardt_finds_the_nonnegative_least_squares_point():
@@ -67,7 +69,7 @@ def test_levenberg_marquardt_finds_the_nonnegative_least_squares_point():
     def res(x):
         return np.array([x[0] - 0.3, x[1] + 0.2, x[0] + x[1] - 0.1])
 
-    x, r, evals = sv._levenberg_marquardt(res, np.array([1.0, 1.0]), 30, progress=lambda s: None)
+    x, r, evals = sf._levenberg_marquardt(res, np.array([1.0, 1.0]), 30, progress=lambda s: None)
     assert x == pytest.approx([0.2, 0.0], abs=1e-3) and evals > 3
     assert r == pytest.approx(res(x))
 
@@ -85,7 +87,7 @@ def test_a_rows_noise_is_the_standard_error_of_two_means():
 def test_stages_split_a_request_into_its_phases():
     r = {"error": "", "t_arrive": 0.0, "t_read_start": 1.0, "t_read_end": 2.0, "t_prefill_start": 2.0,
          "t_first_token": 3.5, "token_times": [3.5, 4.0, 4.2, 4.4], "t_done": 5.0}
-    st = sv.stages([r])
+    st = sf.stages([r])
     assert st == pytest.approx({"route": 1.0, "read": 1.0, "prefill": 1.5, "handover": 0.5, "tpot": 0.2, "writeback": 0.6})
 
 
@@ -113,8 +115,8 @@ def test_a_run_made_at_another_dilation_is_refused(tmp_path):
     now = load_topology(REPO / "topologies" / "1p1d-io.yaml").dilation(2048)
     assert now != pytest.approx(3.125)
     with pytest.raises(ValueError, match=r"dilation 3\.125.*1p1d-io\.yaml now gives.*run it again"):
-        sv.run_topology(run)
-    assert sv.run_topology(Run(tmp_path, {**summary, "dilation": now})).name == "1p1d-io"
+        sf.run_topology(run)
+    assert sf.run_topology(Run(tmp_path, {**summary, "dilation": now})).name == "1p1d-io"
 
 
 def test_calibration_simulates_an_online_run_with_its_arrivals():
@@ -127,8 +129,8 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
     run = load_run(REPO / "results" / "e2e" / "online-1p1d-io-1.5aps")
     assert run.aps == 1.5
     cal = Calibration.load(REPO / "results" / "sim" / "calibration.json")
-    st = sv._sim_stages(sv.run_topology(run), run, cal, ["basic"])["basic"]
-    last = max(poisson_arrivals(run.summary["trajectories"], run.aps, sv.arrival_seed(run))) * run.dilation
+    st = sf._sim_stages(sf.run_topology(run), run, cal, ["basic"])["basic"]
+    last = max(poisson_arrivals(run.summary["trajectories"], run.aps, sf.arrival_seed(run))) * run.dilation
     assert st["jct"] > last > run.mode("basic")["jct_testbed_s"] * 0.8
 
 
@@ -145,7 +147,7 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
     same_as_ladder, longer_appends = load_run(e2e / "fig9-appendx1"), load_run(e2e / "fig9-appendx4")
     other_topology = load_run(e2e / "ladder-1p2d-io")
     assert same_as_ladder.topology != ladder.topology  # "1p1d-io-scale0.0016": its plan's overrides
-    both = Calibration(source={"runs": [{"topology": r.topology, "aps": r.aps or 0.0, "config": sv.config_identity(r)}
+    both = Calibration(source={"runs": [{"topology": r.topology, "aps": r.aps or 0.0, "config": sf.config_identity(r)}
                                         for r in (ladder, online)]})
     assert [sv.held_out(r, both) for r in (ladder, online, same_as_ladder, longer_appends, other_topology)] == \
         [False, False, False, True, True]
@@ -156,7 +158,7 @@ def test_held_out_rows_are_judged_by_the_configuration_not_its_name():
     # repeats are grouped by configuration too
     assert sv.group_repeats([ladder, longer_appends, same_as_ladder]) == [[ladder, same_as_ladder], [longer_appends]]
     # and a calibration may mix runs of one cluster under both names (its one-topology rule)
-    assert sv.topology_contents(same_as_ladder) == sv.topology_contents(ladder) != sv.topology_contents(other_topology)
+    assert sf.topology_contents(same_as_ladder) == sf.topology_contents(ladder) != sf.topology_contents(other_topology)
 
 
 def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
@@ -168,10 +170,10 @@ def test_calibration_refuses_runs_of_two_topologies_before_fitting(tmp_path):
         return Run(tmp_path / topo, {"topology": topo, "modes": {"basic": {"faithful": True}}})
 
     with pytest.raises(ValueError, match=r"share one topology.*1p1d-io, 1p2d-io"):
-        sv.calibrate([run("1p1d-io"), run("1p2d-io")], progress=lambda s: None)
+        sf.calibrate([run("1p1d-io"), run("1p2d-io")], progress=lambda s: None)
     unfaithful = Run(tmp_path / "u", {"topology": "1p1d-io", "modes": {"basic": {"faithful": False}}})
     with pytest.raises(ValueError, match="not FAITHFUL"):
-        sv.calibrate([run("1p1d-io"), unfaithful], progress=lambda s: None)
+        sf.calibrate([run("1p1d-io"), unfaithful], progress=lambda s: None)
 
 
 def test_a_median_between_two_modes_is_named_in_the_report():
@@ -196,7 +198,7 @@ def test_a_median_between_two_modes_is_named_in_the_report():
 
     rows = [row("dualpath-rr", two_modes, slow_path=1.1), row("basic", one_mode)]  # simulated DE reads 10 % slower
     assert [r["ttft_p50_between_modes"] for r in rows] == [True, False]
-    text = "\n".join(sv.report_lines("cmd", Calibration(source={"run": "r"}), rows, sv.aggregate(rows)))
+    text = "\n".join(sr.report_lines("cmd", Calibration(source={"run": "r"}), rows, sv.aggregate(rows)))
     assert "1p2d-io dualpath-rr: its testbed TTFT median lies between two modes (p45 0.946 s, p55 1.84 s" in text
     assert "1p2d-io basic:" not in text and "NOT met" in text
     # each path's own median beside it
@@ -213,13 +215,13 @@ def test_the_report_warns_when_the_runs_come_from_different_code():
     after it (a pass's compute differed by 2x): the report names each run's commit and warns when
     they differ or a run was made on uncommitted changes; runs that record none are said to."""
     a, b = "a" * 40, "b" * 40
-    same = sv.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": a, "dirty": False}})
+    same = sr.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": a, "dirty": False}})
     assert len(same) == 1 and "aaaaaaaaaaaa" in same[0]
-    two = sv.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": b, "dirty": False}})
+    two = sr.code_lines({"r1": {"commit": a, "dirty": False}, "r2": {"commit": b, "dirty": False}})
     assert two[1].startswith("WARNING: the runs come from 2 commit(s)")
-    dirty = sv.code_lines({"r1": {"commit": a, "dirty": True}, "r2": None})
+    dirty = sr.code_lines({"r1": {"commit": a, "dirty": True}, "r2": None})
     assert "(dirty)" in dirty[0] and "1 run(s) record none" in dirty[0] and "uncommitted changes" in dirty[1]
-    assert sv.code_lines({"r1": None}) == ["Code: no run records the commit it was made on (made before runs "
+    assert sr.code_lines({"r1": None}) == ["Code: no run records the commit it was made on (made before runs "
                                            "recorded it)."]
 
 
@@ -231,19 +233,19 @@ def test_the_report_says_whether_the_calibration_was_fitted_on_the_runs_code(tmp
 
     a, b = "a" * 40, "b" * 40
     runs = {"r1": {"commit": a, "dirty": False}}
-    assert sv.code_lines(runs, {"c": {"commit": a, "dirty": False}})[-1] == "Calibration: fitted on runs of the same code."
-    other = sv.code_lines(runs, {"c": {"commit": b, "dirty": False}})
+    assert sr.code_lines(runs, {"c": {"commit": a, "dirty": False}})[-1] == "Calibration: fitted on runs of the same code."
+    other = sr.code_lines(runs, {"c": {"commit": b, "dirty": False}})
     assert other[-1].startswith("WARNING: the calibration was fitted on runs of bbbbbbbbbbbb") and len(other) == 2
-    assert "record no commit" in sv.code_lines(runs, {"c": None})[-1]
-    assert "record no commit" in sv.code_lines({"r1": None}, {})[-1]
-    assert sv.code_lines(runs) == sv.code_lines(runs, None) == sv.code_lines(runs)[:1]  # no calibration, no line
+    assert "record no commit" in sr.code_lines(runs, {"c": None})[-1]
+    assert "record no commit" in sr.code_lines({"r1": None}, {})[-1]
+    assert sr.code_lines(runs) == sr.code_lines(runs, None) == sr.code_lines(runs)[:1]  # no calibration, no line
     (tmp_path / "c1").mkdir()
     (tmp_path / "c1" / "summary.json").write_text(json.dumps({"code": {"commit": a, "dirty": False}}))
     cal = Calibration(source={"runs": [{"run": str(tmp_path / "c1")}, {"run": str(tmp_path / "gone")}]})
-    assert sv.calibration_codes(cal) == {str(tmp_path / "c1"): {"commit": a, "dirty": False}, str(tmp_path / "gone"): None}
+    assert sr.calibration_codes(cal) == {str(tmp_path / "c1"): {"commit": a, "dirty": False}, str(tmp_path / "gone"): None}
     # the committed calibration names runs in the repository that record their code
     committed = Calibration.load(REPO / "results" / "sim" / "calibration.json")
-    codes = sv.calibration_codes(committed)
+    codes = sr.calibration_codes(committed)
     assert codes and all(codes.values())
 
 
@@ -269,7 +271,7 @@ def test_the_report_names_a_row_whose_prediction_moves_more_than_its_target():
     rows = [row("dualpath-rr", 0.077, 0.2), row("dualpath", 0.01, 0.02)]
     agg = sv.aggregate(rows)
     assert agg["max_jct_spread"] == 0.077 and agg["max_ttft_p50_spread"] == 0.2
-    text = "\n".join(sv.report_lines("cmd", cal, rows, agg))
+    text = "\n".join(sr.report_lines("cmd", cal, rows, agg))
     assert "1p2d-io dualpath-rr: JCT band +7.7%, TTFT p50 band +20.0%: wider than the target" in text
     assert "1p2d-io dualpath:" not in text and "over the 5 simulations" in text
 
@@ -319,9 +321,9 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
     from simulator.calibration import Calibration
     from testbed.measure.runs import load_run
 
-    assert sv.dispersion([1.0] * 10) == 0.0 and sv.dispersion([1.0, 2.0]) is None
+    assert sf.dispersion([1.0] * 10) == 0.0 and sf.dispersion([1.0, 2.0]) is None
     # quartiles 2.5 and 7.5 (the exclusive method), median 5
-    assert sv.dispersion(list(range(1, 10))) == pytest.approx((7.5 - 2.5) / 1.349 / 5)
+    assert sf.dispersion(list(range(1, 10))) == pytest.approx((7.5 - 2.5) / 1.349 / 5)
     cal = Calibration.load(REPO / "results" / "sim" / "calibration.json").exact()
 
     def run_with_records_of(jitter, seed, name):
@@ -330,14 +332,14 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
         s = json.loads((d / "summary.json").read_text())
         s["modes"] = {"dualpath": s["modes"]["dualpath"]}
         (d / "summary.json").write_text(json.dumps(s))
-        res = sv._run_sim(load_run(d), dataclasses.replace(cal, jitter=jitter), seed)[0]
+        res = sf._run_sim(load_run(d), dataclasses.replace(cal, jitter=jitter), seed)[0]
         (d / "records.jsonl").write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in res["dualpath"].records))
         return load_run(d)
 
-    fitted, how = sv.fit_jitter([run_with_records_of(0.8, 11, "j")], cal, seeds=2, iterations=7)
+    fitted, how = sf.fit_jitter([run_with_records_of(0.8, 11, "j")], cal, seeds=2, iterations=7)
     assert fitted == pytest.approx(0.8, abs=0.25), how
     assert how["sim_mean_dispersion_without_jitter"] < how["testbed_mean_dispersion"]
-    assert sv.fit_jitter([run_with_records_of(0.0, 11, "exact")], cal, seeds=2, iterations=7)[0] == 0.0
+    assert sf.fit_jitter([run_with_records_of(0.0, 11, "exact")], cal, seeds=2, iterations=7)[0] == 0.0
 
 
 def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp_path):
@@ -354,16 +356,16 @@ def test_the_burst_beyond_the_bucket_is_the_time_the_bucket_model_overstates(tmp
     assert extra_bytes(n, model - 0.005, rate, 9000) == pytest.approx(0.005 * 6e6 * share)
     (tmp_path / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "command": "dualpath bench burst", "kinds": {
         "snic": {"mean_extra_payload_bytes": 34153}, "host_port": {"mean_extra_payload_bytes": -33061}}}))
-    extra, source = sv.burst_of(tmp_path, "1p1d-io")
+    extra, source = sf.burst_of(tmp_path, "1p1d-io")
     assert extra == {"snic": 34153.0, "host_port": 0.0} and source["measured_payload_bytes"]["host_port"] == -33061
     with pytest.raises(ValueError, match=r"measured on '1p1d-io'.*dualpath bench burst topologies/2p1d-io.yaml"):
-        sv.burst_of(tmp_path, "2p1d-io")
+        sf.burst_of(tmp_path, "2p1d-io")
     with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
-        sv.burst_of(tmp_path / "missing", "1p1d-io")
+        sf.burst_of(tmp_path / "missing", "1p1d-io")
     (tmp_path / "other").mkdir()  # a `bench store` folder: no kinds
     (tmp_path / "other" / "summary.json").write_text(json.dumps({"topology": "1p1d-io", "kinds": {"snic": {}}}))
     with pytest.raises(ValueError, match="not a `dualpath bench burst` folder"):
-        sv.burst_of(tmp_path / "other", "1p1d-io")
+        sf.burst_of(tmp_path / "other", "1p1d-io")
 
 
 def test_a_reproduce_run_is_labelled_by_its_topology_file_and_folder():
@@ -372,5 +374,5 @@ def test_a_reproduce_run_is_labelled_by_its_topology_file_and_folder():
     from testbed.measure.runs import load_run
 
     e2e = REPO / "results" / "e2e"
-    assert sv.run_label(load_run(e2e / "fig7-64K-4a-turns4")) == "1p1d-io fig7-64K-4a-turns4"
-    assert sv.run_label(load_run(e2e / "online-1p1d-io-1.5aps")) == "1p1d-io@1.5aps"
+    assert sf.run_label(load_run(e2e / "fig7-64K-4a-turns4")) == "1p1d-io fig7-64K-4a-turns4"
+    assert sf.run_label(load_run(e2e / "online-1p1d-io-1.5aps")) == "1p1d-io@1.5aps"

@@ -84,7 +84,7 @@ def _sim_calibrate(calibrate: list[Path], dest: Path, quick: bool, burst: Option
     """Fit the simulator's calibration on testbed runs and save it to `dest`."""
     from simulator.calibration import Calibration
     from testbed.measure.runs import RunError, load_run
-    from testbed.sim.validate import calibrate as fit
+    from testbed.sim.fit import calibrate as fit
 
     try:
         fit_runs = [load_run(p) for p in calibrate]
@@ -106,7 +106,7 @@ def _sim_calibrate(calibrate: list[Path], dest: Path, quick: bool, burst: Option
 def _sim_validate(runs: list[Path], cal, out: Path, replicas: int, command: str) -> None:
     """Compare the simulator with testbed runs; exits 0 when the targets are met, else 1."""
     from testbed.measure.runs import RunError, load_run
-    from testbed.sim.validate import validate_to_folder
+    from testbed.sim.validation_report import validate_to_folder
 
     try:
         loaded = [load_run(r) for r in runs]
