@@ -136,14 +136,11 @@ class Testbed:
 
     def _start_services(self) -> None:
         from testbed.cluster.processes import CONTROL_PORT, Cluster
-        from testbed.cluster.runclock import RunClock, run_geometry
+        from testbed.cluster.runclock import run_geometry
 
         ckpt = self._checkpoint()
         geom = run_geometry(ckpt)
-        spec = self.topo.spec
-        self.cluster = Cluster(self.fabric, self.run_dir, ckpt, geom, int(spec.dram_buffer_gib * 2**30),
-                               int(spec.hbm_gib_per_engine * 2**30), transport=self.transport,
-                               timing=RunClock.of(self.topo, geom).engine_timing())
+        self.cluster = Cluster.for_topology(self.fabric, self.run_dir, ckpt, geom, transport=self.transport)
         self.cluster.start()
         self.cluster.run(self.cluster.connect())
         c = self.cluster

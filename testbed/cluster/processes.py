@@ -170,6 +170,20 @@ class Cluster:
         return self.procs[engine].endpoint.node
 
     # -- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def for_topology(cls, fab: Fabric, run_dir: Path, checkpoint: Path, geom: BlockGeometry, *,
+                     buffer_bytes: int | None = None, hbm_bytes: int | None = None, **kw) -> "Cluster":
+        """The one way a run builds its cluster (a Testbed's services, `dualpath run`, isolation):
+        the DRAM buffers and engine HBM the topology gives (unless named), and the engines' clock and
+        collectives from its target (testbed/cluster/runclock.py). `kw` goes to the constructor."""
+        from testbed.cluster.runclock import RunClock
+
+        spec, clock = fab.topo.spec, RunClock.of(fab.topo, geom)
+        return cls(fab, run_dir, checkpoint, geom,
+                   buffer_bytes if buffer_bytes is not None else int(spec.dram_buffer_gib * 2**30),
+                   hbm_bytes if hbm_bytes is not None else int(spec.hbm_gib_per_engine * 2**30),
+                   timing=clock.engine_timing(), collectives=clock.engine_collectives(), **kw)
+
     def start(self) -> "Cluster":
         if self.transport in ("rdma", "mooncake-rdma"):  # both pin what they register
             from dualpath.transport.env import RdmaUnavailableError

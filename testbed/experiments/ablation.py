@@ -347,9 +347,8 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     tmpfs = {f.target: DISK_FULL_TMPFS_BYTES for f in faults if f.kind == "disk-full"}
 
     def cluster_for(folder: Path) -> Cluster:
-        return Cluster(fab, folder, checkpoint, geom, buffer_bytes, hbm_bytes, transport=transport,
-                       timing=clock.engine_timing(), collectives=clock.engine_collectives(),
-                       tmpfs_stores=tmpfs, device=device, connector=connector)
+        return Cluster.for_topology(fab, folder, checkpoint, geom, buffer_bytes=buffer_bytes, hbm_bytes=hbm_bytes,
+                                    transport=transport, tmpfs_stores=tmpfs, device=device, connector=connector)
 
     def up(cluster: Cluster) -> None:
         t0 = time.monotonic()

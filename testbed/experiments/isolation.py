@@ -128,9 +128,7 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     results: list[ModeResult] = []
     info: dict[str, dict] = {}
     with claimed_fabric(topo) as fab:
-        with Cluster(fab, scratch, checkpoint, geom, int(spec.dram_buffer_gib * 2**30),
-                     int(spec.hbm_gib_per_engine * 2**30), timing=clock.engine_timing(),
-                     collectives=clock.engine_collectives()) as cluster:
+        with Cluster.for_topology(fab, scratch, checkpoint, geom) as cluster:
             cluster.run(cluster.connect())
             progress(f"  cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.procs)} node processes")
             for cond in conditions:
