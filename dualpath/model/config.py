@@ -160,23 +160,7 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
     if d.get("head_dim") is None and hidden % n_heads:
         raise _fail(where, "hidden_size", f"{hidden} is not divisible by num_attention_heads={n_heads}")
 
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise _fail(where, "hidden_act", f"is {_short(act)}; only 'silu' (SwiGLU) is supported")
-    if d.get("quantization_config"):
-        raise _fail(where, "quantization_config", "is set; quantized checkpoints are not supported")
-    if d.get("pretraining_tp", 1) not in (1, None) or isinstance(d.get("pretraining_tp"), bool):
-        raise _fail(where, "pretraining_tp", f"is {_short(d['pretraining_tp'])}; only 1 is supported")
-    if mt == "qwen2":
-        if d.get("use_sliding_window"):
-            raise _fail(where, "use_sliding_window", "is true; sliding-window attention is not supported")
-    layer_types = d.get("layer_types") or []
-    if not isinstance(layer_types, list):
-        raise _fail(where, "layer_types", f"must be a list, got {_short(layer_types)}")
-    for lt in layer_types:
-        if lt != "full_attention":
-            raise _fail(where, "layer_types", f"contains {_short(lt)}; only 'full_attention' is supported")
-
+    _refuse_unsupported(d, where, mt)
     rope = _parse_rope(d, where)
     if mt == "qwen2":
         qkv_bias, o_bias, mlp_bias = True, False, False
@@ -184,21 +168,8 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         qkv_bias = o_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False))
 
-    raw_dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-    try:
-        if not isinstance(raw_dtype, str):
-            raise ValueError
-        dtype = parse_dtype(raw_dtype)
-    except ValueError:
-        key = "dtype" if "dtype" in d else "torch_dtype"
-        raise _fail(where, key, f"is {_short(raw_dtype)}; supported: float32, float16, bfloat16") from None
-
-    eos = d.get("eos_token_id")
-    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    if len(eos_list) > 64 or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab
-                                     for e in eos_list):
-        raise _fail(where, "eos_token_id", f"must be a token id in [0, vocab_size) or a list of them, got {_short(eos)}")
-    eos_ids = tuple(eos_list)
+    dtype = _config_dtype(d, where)
+    eos_ids = _eos_ids(d, where, vocab)
     rms_eps = opt_num("rms_norm_eps", 1e-6)
     mpe = d.get("max_position_embeddings")
     max_pos = 32768 if mpe is None else pos_int("max_position_embeddings", mpe)
@@ -222,6 +193,45 @@ def config_from_dict(d: dict, where: str = "config.json") -> ModelConfig:
         dtype=dtype,
         eos_token_id=eos_ids,
     )
+
+
+def _refuse_unsupported(d: dict, where: str, model_type: str) -> None:
+    """One line for each architecture feature the layerwise model does not implement."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise _fail(where, "hidden_act", f"is {_short(act)}; only 'silu' (SwiGLU) is supported")
+    if d.get("quantization_config"):
+        raise _fail(where, "quantization_config", "is set; quantized checkpoints are not supported")
+    if d.get("pretraining_tp", 1) not in (1, None) or isinstance(d.get("pretraining_tp"), bool):
+        raise _fail(where, "pretraining_tp", f"is {_short(d['pretraining_tp'])}; only 1 is supported")
+    if model_type == "qwen2" and d.get("use_sliding_window"):
+        raise _fail(where, "use_sliding_window", "is true; sliding-window attention is not supported")
+    layer_types = d.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise _fail(where, "layer_types", f"must be a list, got {_short(layer_types)}")
+    for lt in layer_types:
+        if lt != "full_attention":
+            raise _fail(where, "layer_types", f"contains {_short(lt)}; only 'full_attention' is supported")
+
+
+def _config_dtype(d: dict, where: str) -> torch.dtype:
+    raw_dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    try:
+        if not isinstance(raw_dtype, str):
+            raise ValueError
+        return parse_dtype(raw_dtype)
+    except ValueError:
+        key = "dtype" if "dtype" in d else "torch_dtype"
+        raise _fail(where, key, f"is {_short(raw_dtype)}; supported: float32, float16, bfloat16") from None
+
+
+def _eos_ids(d: dict, where: str, vocab: int) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if len(eos_list) > 64 or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab
+                                     for e in eos_list):
+        raise _fail(where, "eos_token_id", f"must be a token id in [0, vocab_size) or a list of them, got {_short(eos)}")
+    return tuple(eos_list)
 
 
 def _parse_rope(d: dict, where: str) -> RopeConfig:
