@@ -80,7 +80,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -264,13 +264,26 @@ def max_min_rates(flows: Iterable[Flow]) -> dict[Flow, float]:
         kv = np.array([sum(rates[i] for i in ml) for _, _, ml in contested])
         return rates, np.concatenate([cap_c - np.minimum(guar, kv), np.maximum(guar, cap_c - model)])
 
-    x = lo.copy()  # model caps C - guarantee, kv caps the guarantee
+    x, rates = _fixed_point(step, lo.copy(), lo, hi, tol)  # from model capped at C - guarantee, kv at it
+    if rates is None:
+        warnings.warn(f"QoS rate allocation did not settle in {MAX_FIXED_POINT_ITERATIONS} fills "
+                      f"({len(flows)} flows, {len(contested)} contested links); the links' joint "
+                      f"capacity is enforced on the last one", RuntimeWarning)
+        rates = fill(x, joint=True)
+    return {f: rates[i] for f, i in index.items()}
+
+
+def _fixed_point(step: Callable, x: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                 tol: np.ndarray) -> tuple[np.ndarray, list[float] | None]:
+    """Iterate the caps x -> T(x) (`step` gives the rates at x and T(x)) to a fixed point within
+    `tol`, with Anderson acceleration; (x, its rates), or (the last x, None) if none was reached
+    in MAX_FIXED_POINT_ITERATIONS."""
     xs, gs, last, damp, stride, f_prev = [], [], math.inf, 1.0, 1.0, None
     for _ in range(MAX_FIXED_POINT_ITERATIONS):
         rates, t = step(x)
         f = t - x
         if np.all(np.abs(f) <= tol):
-            break
+            return x, rates
         norm = float(np.linalg.norm(f))
         if f_prev is not None and np.linalg.norm(f - f_prev) <= 1e-6 * norm:
             # The map only shifts x by a constant (slope 1 along f: kv's cap feeds kv, which
@@ -298,12 +311,7 @@ def max_min_rates(flows: Iterable[Flow]) -> dict[Flow, float]:
             x = np.clip(g - dG @ gamma, lo, hi)
         else:
             x = g
-    else:
-        warnings.warn(f"QoS rate allocation did not settle in {MAX_FIXED_POINT_ITERATIONS} fills "
-                      f"({len(flows)} flows, {len(contested)} contested links); the links' joint "
-                      f"capacity is enforced on the last one", RuntimeWarning)
-        rates = fill(x, joint=True)
-    return {f: rates[i] for f, i in index.items()}
+    return x, None
 
 
 def link_loads(rates: dict[Flow, float]) -> dict[Link, dict[str, float]]:
