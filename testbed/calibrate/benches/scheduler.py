@@ -96,25 +96,7 @@ def bench_decision_cost(
             reqs.append(Request(f"r{rid}", total, hit, total - hit, t[0]))
             rid += 1
         t[0] += 0.01
-        placed = 0
-        start = time.perf_counter_ns()
-        for r in reqs:
-            sched.on_request(r)
-        # PE groups pull in turn until the waiting queue is empty (bounded: one pass over groups)
-        for _k in range(len(pe_groups)):
-            if not sched.pe_waiting:
-                break
-            sched.pull(pe_groups[pe_turn % len(pe_groups)])
-            pe_turn += 1
-        # one DE pull distributes the global queue (phase 1) ...
-        placed += len(sched.pull(rng.choice(de_groups)))
-        elapsed = time.perf_counter_ns() - start
-        # ... then each group with work places its share (finding them is the harness's job)
-        with_work = sched.de_groups_with_work()
-        start = time.perf_counter_ns()
-        for g in with_work:
-            placed += len(sched.pull(g))
-        elapsed += time.perf_counter_ns() - start
+        elapsed, placed, pe_turn = _timed_round(sched, reqs, pe_groups, rng.choice(de_groups), pe_turn)
         if placed:
             samples_us.append(elapsed / 1e3 / placed)
             placed_total += placed
@@ -137,6 +119,30 @@ def bench_decision_cost(
         "budget_us": BUDGET_US,
         "ratio_to_budget": median / BUDGET_US,
     }
+
+
+def _timed_round(sched: Scheduler, reqs: list[Request], pe_groups: list, de_group, pe_turn: int
+                 ) -> tuple[int, int, int]:
+    """One round's decisions, timed: (nanoseconds, requests placed on a DE, the next PE turn)."""
+    placed = 0
+    start = time.perf_counter_ns()
+    for r in reqs:
+        sched.on_request(r)
+    # PE groups pull in turn until the waiting queue is empty (bounded: one pass over groups)
+    for _k in range(len(pe_groups)):
+        if not sched.pe_waiting:
+            break
+        sched.pull(pe_groups[pe_turn % len(pe_groups)])
+        pe_turn += 1
+    # one DE pull distributes the global queue (phase 1) ...
+    placed += len(sched.pull(de_group))
+    elapsed = time.perf_counter_ns() - start
+    # ... then each group with work places its share (finding them is the harness's job)
+    with_work = sched.de_groups_with_work()
+    start = time.perf_counter_ns()
+    for g in with_work:
+        placed += len(sched.pull(g))
+    return elapsed + time.perf_counter_ns() - start, placed, pe_turn
 
 
 def main(argv: list[str] | None = None) -> int:
