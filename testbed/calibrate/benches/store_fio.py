@@ -151,13 +151,7 @@ def bench_store_vs_fio(
         rng = np.random.default_rng(1)
         base = rng.integers(0, 256, size=block_bytes, dtype=np.uint8)
         with StoreClient([s.address for s in servers], block_bytes) as client:
-            for start in range(0, n_blocks, per_batch):
-                batch = []
-                for i in range(start, min(n_blocks, start + per_batch)):
-                    blk = base.copy()
-                    blk[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)  # every block distinct
-                    batch.append((keys[i], blk))
-                client.put_many(batch)
+            _write_blocks(client, keys, per_batch, base)
             files = [servers[server_index(k, n_servers)].root / "blocks" / k[:2] / k for k in keys]
             buf = np.empty(per_batch * block_bytes, dtype=np.uint8)
             buf.fill(0)  # fault the pages in now, not inside the timed reads
@@ -199,6 +193,22 @@ def bench_store_vs_fio(
             s.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
+    return _summary(cold, warm, direct, floor, buffered, block_bytes, total, n_servers, fio_iodepth)
+
+
+def _write_blocks(client: StoreClient, keys: list[str], per_batch: int, base: np.ndarray) -> None:
+    """Block i is `base` with i in its first 8 bytes, so that every block is distinct."""
+    for start in range(0, len(keys), per_batch):
+        batch = []
+        for i in range(start, min(len(keys), start + per_batch)):
+            blk = base.copy()
+            blk[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+            batch.append((keys[i], blk))
+        client.put_many(batch)
+
+
+def _summary(cold: list[float], warm: list[float], direct: list[float], floor: list[float], buffered: float,
+             block_bytes: int, total: int, n_servers: int, fio_iodepth: int) -> dict[str, Any]:
     ratios = [c / d for c, d in zip(cold, direct)]
     return {
         "store_cold_gbps": round(statistics.median(cold), 3),
