@@ -79,7 +79,6 @@ def main() -> None:
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
     kv_per_token = geom.kv_bytes_per_token
     load = EngineLoad(args.hbm_bytes // kv_per_token)  # what this engine reports to its group leader
-    leading: list[GroupLeader] = []
 
     timing = json.loads(args.timing) if args.timing else None
     clock = DeviceClock(timing["dilation"] if timing else None)
@@ -91,25 +90,11 @@ def main() -> None:
         responder = _start_responder(args.ip, ccfg)
         collective = CollectiveGroup(ccfg)
 
-    def lead(group: str, scheduler: str, members: dict[str, list[str]], nodes: dict[str, str],
-             interval_s: float = 0.02, bell: str | None = None) -> dict:
-        """Become the leader of `group`: pull for it from `scheduler` until `unlead`.
-        members: engine -> [node, role, state endpoint]; nodes: node -> host state endpoint;
-        bell: the scheduler's doorbell (pull when it rings) or None (pull every interval_s)."""
-        if leading:
-            raise ValueError(f"{args.name} already leads group {leading[0].group}")
-        leading.append(GroupLeader(group, scheduler, {e: tuple(v) for e, v in members.items()}, nodes,
-                                   kv_per_token, interval_s, bell=bell, secret=auth.secret).start())
-        return {}
-
-    def unlead() -> dict:
-        return leading.pop().stop() if leading else {}
-
     serve_state(args.ip, args.control_port, {
         "load": load.report,
         "assigned": lambda request, tokens: load.assigned(request, tokens) or {},
     }, auth=auth)
-    common = {"lead": lead, "unlead": unlead}
+    common = _leader_handlers(args.name, kv_per_token, auth.secret)
     if args.role == "prefill":
         from dualpath.nodes.prefill_service import prefill_handlers
 
@@ -129,6 +114,27 @@ def main() -> None:
                                 handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth,
                                 plugin=plugin)
         _serve(args.name, agent, service.serve, responder)
+
+
+def _leader_handlers(name: str, kv_per_token: int, secret: bytes) -> dict:
+    """The control calls that make this engine its group's leader (`lead`) and stop it (`unlead`)."""
+    leading: list[GroupLeader] = []
+
+    def lead(group: str, scheduler: str, members: dict[str, list[str]], nodes: dict[str, str],
+             interval_s: float = 0.02, bell: str | None = None) -> dict:
+        """Become the leader of `group`: pull for it from `scheduler` until `unlead`.
+        members: engine -> [node, role, state endpoint]; nodes: node -> host state endpoint;
+        bell: the scheduler's doorbell (pull when it rings) or None (pull every interval_s)."""
+        if leading:
+            raise ValueError(f"{name} already leads group {leading[0].group}")
+        leading.append(GroupLeader(group, scheduler, {e: tuple(v) for e, v in members.items()}, nodes,
+                                   kv_per_token, interval_s, bell=bell, secret=secret).start())
+        return {}
+
+    def unlead() -> dict:
+        return leading.pop().stop() if leading else {}
+
+    return {"lead": lead, "unlead": unlead}
 
 
 def _prioritize() -> None:
