@@ -166,7 +166,78 @@ def open_store(args, buf: np.ndarray, link: LinkWatch):
                        link_name=f"SNIC {args.snic}")
 
 
-def main() -> None:
+class HostAgent:
+    """A node's host agent: its DRAM buffer, the store clients that fill it and persist from it,
+    and the notifications of the WRITEs into it. Its methods are the control calls it serves."""
+
+    def __init__(self, buf, block_bytes: int, store, writes, notifs: NotificationWaiter):
+        self.buf, self.view, self.fb = buf, memoryview(buf), block_bytes
+        # write-back has its own client: a flush must not wait behind a long read on the same
+        # connection (both share the SNIC, as two flows would)
+        self.store, self.writes, self.notifs = store, writes, notifs
+
+    def check_load(self, keys: list[str], offset: int) -> None:
+        check_blocks("load", keys, offset, len(self.buf), self.fb)
+
+    @strict
+    def load(self, keys: list[str], offset: int) -> dict:
+        """Read Full Blocks into consecutive slots of the buffer from `offset`. `failed_at`: the
+        first block that could not be read (-1: none), `errors` what went wrong with which."""
+        t0, fb = time.perf_counter(), self.fb
+        self.check_load(keys, offset)
+        r0 = self.store.retries  # loads run one at a time: the difference is this load's
+        try:
+            self.store.get_many(keys, self.view, [offset + i * fb for i in range(len(keys))])
+            failed_at, errors = -1, {}
+        except StoreError as e:
+            failed_at, errors = store_failures(keys, e)
+        return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0, "failed_at": failed_at,
+                "errors": errors, "retries": self.store.retries - r0}
+
+    @strict
+    def flush(self, keys: list[str], offset: int, crcs: list[int], timeout_s: float = scaled(10.0)) -> dict:
+        """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
+
+        `crcs` are the writer's checksums: a block is persisted only once what landed here
+        matches (a TCP WRITE can complete before its bytes are applied; see engines/decode.py).
+        """
+        t0, fb, view = time.perf_counter(), self.fb, self.view
+        deadline = time.monotonic() + check_flush(keys, offset, crcs, timeout_s, len(self.buf), fb)
+        for i, crc in enumerate(crcs):
+            while stale(view, [(offset + i * fb, fb, crc)]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
+                time.sleep(0.002)
+        r0 = self.writes.retries  # flushes run concurrently: a retry may be another's, seen here too
+        try:
+            new = self.writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
+            stored, errors = [True] * len(keys), {}
+        except StoreError as e:  # e.g. the store's disk is full: the blocks are not persisted
+            errs = getattr(e, "errors", None) or {k: e for k in keys}
+            stored, new = [k not in errs for k in keys], []
+            errors = store_failures(keys, e)[1]
+        return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0,
+                "stored": stored, "errors": errors, "retries": self.writes.retries - r0}
+
+    @strict
+    def wait_notifs(self, peer: str, msgs: list[str], timeout_s: float = scaled(60.0)) -> dict:
+        """Block until `peer` has notified every message: NIXL delivers a transfer's
+        notification after its data, so the WRITEs before them have landed."""
+        deadline = time.monotonic() + check_wait_notifs(peer, msgs, timeout_s)
+        for m in msgs:  # one deadline for all: the timeout bounds the call, not each message
+            self.notifs.wait(peer, m, max(0.0, deadline - time.monotonic()))
+        return {}
+
+    def contains(self, keys: list[str]) -> dict:
+        return {"present": self.store.contains(keys)}
+
+    def close(self) -> None:
+        self.notifs.close()
+        self.store.close()
+        self.writes.close()
+
+
+def _parse_args():
     ap = base_args(__doc__)
     ap.add_argument("--buffer-bytes", type=int, required=True)
     ap.add_argument("--block-bytes", type=int, required=True, help="bytes of one Full Block")
@@ -174,79 +245,23 @@ def main() -> None:
     ap.add_argument("--snic", default=None, help="the node's storage NIC (its link state is watched)")
     ap.add_argument("--store-kind", default="3fs-like", choices=["3fs-like", "mooncake"],
                     help="the 3FS-like store's servers, or Mooncake Store (--store: its master's ip:port)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
     exit_on_sigterm()
     auth = run_auth()
     agent, buf = make_agent(args, "buf", args.buffer_bytes, "dram")
     clients: list = []
     link = LinkWatch(args.snic, on_down=lambda: [c.interrupt() for c in clients])
-    # write-back gets its own client: a flush must not wait behind a long read on the same
-    # connection (both share the SNIC, as two flows would)
     store, writes = open_store(args, buf, link), open_store(args, buf, link)
     clients += [store, writes]
-    notifs = NotificationWaiter(agent)
-    view = memoryview(buf)
-    fb = args.block_bytes
-
-    def check_load(keys: list[str], offset: int) -> None:
-        check_blocks("load", keys, offset, len(buf), fb)
-
-    @strict
-    def load(keys: list[str], offset: int) -> dict:
-        """Read Full Blocks into consecutive slots of the buffer from `offset`. `failed_at`: the
-        first block that could not be read (-1: none), `errors` what went wrong with which."""
-        t0 = time.perf_counter()
-        check_load(keys, offset)
-        r0 = store.retries  # loads run one at a time: the difference is this load's
-        try:
-            store.get_many(keys, view, [offset + i * fb for i in range(len(keys))])
-            failed_at, errors = -1, {}
-        except StoreError as e:
-            failed_at, errors = store_failures(keys, e)
-        return {"bytes": len(keys) * fb, "seconds": time.perf_counter() - t0, "failed_at": failed_at,
-                "errors": errors, "retries": store.retries - r0}
-
-    @strict
-    def flush(keys: list[str], offset: int, crcs: list[int], timeout_s: float = scaled(10.0)) -> dict:
-        """Persist Full Blocks from consecutive slots from `offset` (durable when this returns).
-
-        `crcs` are the writer's checksums: a block is persisted only once what landed here
-        matches (a TCP WRITE can complete before its bytes are applied; see engines/decode.py).
-        """
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + check_flush(keys, offset, crcs, timeout_s, len(buf), fb)
-        for i, crc in enumerate(crcs):
-            while stale(view, [(offset + i * fb, fb, crc)]):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"block {keys[i]} never landed intact from the decode engine; not persisted")
-                time.sleep(0.002)
-        r0 = writes.retries  # flushes run concurrently: a retry may be another's, seen here too
-        try:
-            new = writes.put_many([(k, view[offset + i * fb: offset + (i + 1) * fb]) for i, k in enumerate(keys)])
-            stored, errors = [True] * len(keys), {}
-        except StoreError as e:  # e.g. the store's disk is full: the blocks are not persisted
-            errs = getattr(e, "errors", None) or {k: e for k in keys}
-            stored, new = [k not in errs for k in keys], []
-            errors = store_failures(keys, e)[1]
-        return {"bytes": len(keys) * fb, "new": sum(new), "seconds": time.perf_counter() - t0,
-                "stored": stored, "errors": errors, "retries": writes.retries - r0}
-
-    @strict
-    def wait_notifs(peer: str, msgs: list[str], timeout_s: float = scaled(60.0)) -> dict:
-        """Block until `peer` has notified every message: NIXL delivers a transfer's
-        notification after its data, so the WRITEs before them have landed."""
-        deadline = time.monotonic() + check_wait_notifs(peer, msgs, timeout_s)
-        for m in msgs:  # one deadline for all: the timeout bounds the call, not each message
-            notifs.wait(peer, m, max(0.0, deadline - time.monotonic()))
-        return {}
-
-    def contains(keys: list[str]) -> dict:
-        return {"present": store.contains(keys)}
-
+    host = HostAgent(buf, args.block_bytes, store, writes, NotificationWaiter(agent))
     # Loads queue here, on the node, where read_q can count them all; the group leaders read
     # read_q from the state socket (the control socket may be busy with a long flush).
-    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", fb, load, check_load,
-                            auth=auth).start()
+    reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", args.block_bytes, host.load,
+                            host.check_load, auth=auth).start()
     serve_state(args.ip, args.control_port, {"read_q": lambda: {"bytes": reads.pending_bytes, "snic_up": link.up()}},
                 auth=auth)
 
@@ -256,10 +271,10 @@ def main() -> None:
 
     # Waits and write-backs of many requests run at once (each blocks only its own request)
     jobs = RouterServer(f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                        {"flush": flush, "wait_notifs": wait_notifs}, workers=JOB_WORKERS, name="host-jobs",
+                        {"flush": host.flush, "wait_notifs": host.wait_notifs}, workers=JOB_WORKERS, name="host-jobs",
                         auth=auth).start()
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
-                       {**wiring_handlers(agent), "contains": contains, "read_log": read_log}, auth=auth)
+                       {**wiring_handlers(agent), "contains": host.contains, "read_log": read_log}, auth=auth)
     freeze_startup_heap()
     print(f"ready {args.name} {agent.transport_in_use}", flush=True)
     try:
@@ -267,9 +282,7 @@ def main() -> None:
     finally:
         jobs.stop()
         reads.stop()
-        notifs.close()
-        store.close()
-        writes.close()
+        host.close()
         agent.close()
 
 
