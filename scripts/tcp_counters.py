@@ -49,7 +49,8 @@ def main() -> int:
     args = ap.parse_args()
     from dualpath.workload import demo_workload, generate
     from testbed.api import demo_checkpoint
-    from testbed.experiments.ablation import run_e2e, run_geometry, summarize
+    from testbed.experiments.ablation import run_e2e, run_geometry
+    from testbed.experiments.results import summarize
     from testbed.fabric.network import Fabric
     from testbed.fabric.shell import run
     from testbed.topology import load_topology

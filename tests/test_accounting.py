@@ -187,7 +187,7 @@ def test_rereads_add_their_bytes_on_their_own_hops():
 
 def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named():
     from testbed.cluster.conductor import RequestRecord
-    from testbed.experiments.ablation import interfaces_of
+    from testbed.experiments.results import interfaces_of
 
     # the isolation experiment's conditions are oracle passes named after the condition
     r = RequestRecord("r0", 0, 0, "qos_on", "none", pe="dpt-p0e0", de="dpt-d0e0", pe_node="dpt-p0", de_node="dpt-d0",

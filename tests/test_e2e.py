@@ -11,7 +11,8 @@ from dualpath.workload import demo_workload, generate
 from emulators.kvstore.blockfile import decode_header
 from testbed.cluster.processes import Cluster
 from testbed.cluster.conductor import Conductor
-from testbed.experiments.ablation import _router, run_e2e, run_geometry, summarize
+from testbed.experiments.ablation import _router, run_e2e, run_geometry
+from testbed.experiments.results import summarize
 from testbed.cluster.runclock import RunClock
 from testbed.fabric.network import Fabric
 from testbed.topology import load_topology

@@ -109,7 +109,8 @@ class TestOnTheWire:
 def test_engines_run_one_collective_per_layer_of_every_pass_and_step(tmp_path, no_leftovers):
     from dualpath.model.tiny import DEMO, make_tiny_checkpoint
     from dualpath.workload import demo_workload, generate
-    from testbed.experiments.ablation import run_e2e, run_geometry, summarize
+    from testbed.experiments.ablation import run_e2e, run_geometry
+    from testbed.experiments.results import summarize
 
     ckpt = make_tiny_checkpoint(tmp_path / "ck", seed=0, kind="qwen2", **DEMO)
     wl = generate(demo_workload(seed=1, n_trajectories=2, turns_mean=2.0, turns_min=2))

@@ -67,7 +67,7 @@ def _records(wl, mode: str) -> list[RequestRecord]:
 
 
 def _results(wl, modes=("basic", "dualpath")):
-    from testbed.experiments.ablation import ModeResult
+    from testbed.experiments.results import ModeResult
 
     return [ModeResult(m, _records(wl, m), 1.0, None, 0, 0.0, 0.0) for m in modes]
 
@@ -104,7 +104,7 @@ def test_a_model_without_a_tokenizer_writes_no_text(wl, tiny, tmp_path):
 
 
 def test_the_report_shows_one_conversation(wl, smollm2_dir):
-    from testbed.experiments.ablation import EXCERPT_CHARS, conversation
+    from testbed.experiments.results import EXCERPT_CHARS, conversation
     from testbed.measure.report import conversation_lines
 
     c = conversation(_results(wl), smollm2_dir, wl)

@@ -8,7 +8,8 @@ import pytest
 from dualpath.model import Transformer
 from dualpath.model.tiny import make_tiny_checkpoint
 from testbed.cluster.conductor import RequestRecord
-from testbed.experiments.ablation import ModeResult, run_geometry, verify
+from testbed.experiments.ablation import run_geometry, verify
+from testbed.experiments.results import ModeResult
 from testbed.cluster.verify import _layer_hashes
 
 

@@ -28,7 +28,8 @@ from dualpath.traffic_classes import KV, MODEL
 from dualpath.workload import Workload
 from testbed.fabric.access import claimed_fabric
 from testbed.cluster.processes import Cluster
-from testbed.experiments.ablation import ModeResult, _run_mode, run_geometry, summarize, write_results
+from testbed.experiments.ablation import _run_mode, run_geometry
+from testbed.experiments.results import ModeResult, summarize, write_results
 from testbed.fabric.network import Fabric
 from testbed.experiments.kvload import KvLoad
 from testbed.paths import shown_path

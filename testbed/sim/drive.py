@@ -14,7 +14,7 @@ every engine's HBM in tokens and every node's DRAM buffer. Two time bases:
     paper's 1,152-GPU runs (topologies/sim/).
 
 `simulate` runs modes over a workload and `summarize` writes the summary.json fields of a
-`dualpath run` (testbed.experiments.ablation.summarize), from the same arithmetic (testbed.measure.metrics), so one
+`dualpath run` (testbed.experiments.results.summarize), from the same arithmetic (testbed.measure.metrics), so one
 report and one plot code read both.
 
 A trace (dualpath.workload.trace.TraceWorkload) replaces the generated workload: its sessions are
@@ -180,7 +180,7 @@ def _latencies(recs) -> list[dict]:
 
 
 def mode_summary(res: SimResult, cfg: SimConfig, p: int, d: int) -> dict[str, Any]:
-    """One mode's summary.json entry, with testbed.experiments.ablation.summarize's keys."""
+    """One mode's summary.json entry, with testbed.experiments.results.summarize's keys."""
     k = cfg.dilation
     recs = [r for r in res.records if not r.error]
     lat = _latencies(recs)
