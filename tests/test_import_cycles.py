@@ -130,6 +130,7 @@ LAYERS = [
     ("testbed.measure", "testbed.cluster"),
     ("testbed.fabric",),
     ("testbed.topology",),
+    ("testbed.topology_file",),
     ("testbed.paths",),
     ("simulator", "emulators"),
     ("dualpath",),
