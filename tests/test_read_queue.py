@@ -126,7 +126,7 @@ def test_a_router_server_answers_each_command_when_it_is_done_not_in_order():
 
 
 def test_many_waiters_on_one_inbox_get_their_own_notifications():
-    from dualpath.transport.agent import NotificationInbox, TransferTimeout
+    from dualpath.transport.base import NotificationInbox, TransferTimeout
     from dualpath.transport.waiter import NotificationWaiter
 
     class Inbox(NotificationInbox):

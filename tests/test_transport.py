@@ -28,7 +28,7 @@ from dualpath.transport import (
     kv_ports_reserved,
     rdma_devices,
 )
-from dualpath.transport.agent import Transfer
+from dualpath.transport.base import Transfer
 from testbed.fabric.network import TCP_SYSCTLS
 from testbed.calibrate.benches.transport_nixl import CONTROL_PORT
 from emulators import dscp_marking

@@ -11,7 +11,7 @@ import pytest
 
 from dualpath.traffic_classes import KV_PORT_RANGE
 from dualpath.transport import TransferFailed, TransportError
-from dualpath.transport.agent import Region
+from dualpath.transport.base import Region
 
 from dualpath.transport.mooncake import MooncakeAgent, iface_ipv4  # noqa: E402
 

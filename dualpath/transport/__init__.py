@@ -7,9 +7,9 @@ TCP cannot set IP TOS and the class reaches the wire as a port range nftables ma
 (the mandatory UCX settings and the RDMA preflight) and bench.py (throughput, submission
 overhead and byte-exact checks between two processes, e.g. two engine namespaces).
 """
-from .agent import (
+from .agent import Agent
+from .base import (
     DEFAULT_TIMEOUT_S,
-    Agent,
     Region,
     TransportAgent,
     Transfer,

@@ -38,15 +38,14 @@ import numpy as np
 
 from dualpath.traffic_classes import KV, KV_PORT_RANGE, by_name
 
-from .agent import (
+from .agent import _MD_VERSION, unpack_metadata
+from .base import (
     DEFAULT_TIMEOUT_S,
     Region,
     Transfer,
     TransferFailed,
     TransportAgent,
-    _MD_VERSION,
     check_descs,
-    unpack_metadata,
 )
 from .env import TransportError
 

@@ -38,18 +38,8 @@ import msgpack
 
 from dualpath.traffic_classes import CLASSES, KV, KV_PORT_RANGE, by_name
 
-from .agent import (
-    _MD_VERSION,
-    DEFAULT_PROGRESS_DELAY_US,
-    DEFAULT_TIMEOUT_S,
-    Agent,
-    NotificationInbox,
-    Region,
-    Transfer,
-    TransferStats,
-    _user_env,
-    unpack_metadata,
-)
+from .agent import _MD_VERSION, DEFAULT_PROGRESS_DELAY_US, Agent, _user_env, unpack_metadata
+from .base import DEFAULT_TIMEOUT_S, NotificationInbox, Region, Transfer, TransferStats
 from .env import TransportError, UcxEnvError
 
 DEFAULT_CLASS = KV.name

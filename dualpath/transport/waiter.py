@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dualpath.transport.agent import NotificationInbox, TransferTimeout
+from dualpath.transport.base import NotificationInbox, TransferTimeout
 
 PUMP_EVERY_S = 0.001
 

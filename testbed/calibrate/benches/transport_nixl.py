@@ -36,7 +36,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from dualpath.transport.agent import DEFAULT_PROGRESS_DELAY_US, Agent, contiguous_descs
+from dualpath.transport.agent import DEFAULT_PROGRESS_DELAY_US, Agent
+from dualpath.transport.base import contiguous_descs
 from dualpath.transport.env import TransportError, parse_port_range
 from dualpath.transport.multiclass import MultiClassAgent
 
