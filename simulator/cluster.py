@@ -52,6 +52,7 @@ from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 from dualpath.scheduler.records import EngineReport, Request, Role
 from dualpath.scheduler.service import Doorbell
 from dualpath.scheduler.thresholds import Profile
+from dualpath.lifecycle.record import RequestRecord
 
 from .calibration import Calibration
 from .flows import Link
@@ -129,44 +130,9 @@ class TrajectorySpec:
 
 
 @dataclass
-class SimRecord:
-    """One request, in the fields of testbed.cluster.conductor.RequestRecord the summaries read."""
-
-    request: str
-    trajectory: int
-    turn: int
-    mode: str
-    path: str = ""
-    pe: str = ""
-    de: str = ""
-    pe_node: str = ""
-    de_node: str = ""
-    n_prompt: int = 0
-    n_hit: int = 0
-    n_miss: int = 0
-    gen_len: int = 0
-    hit_bytes: int = 0
-    miss_bytes: int = 0
-    writeback_bytes: int = 0
-    pe_hit_bytes: int = 0
-    passes: int = 0
-    chunk_read_bytes: int = 0
-    token_times: list[float] = field(default_factory=list)
-    t_arrive: float = 0.0
-    t_routed: float = 0.0
-    t_read_start: float = 0.0
-    t_read_end: float = 0.0
-    t_prefill_start: float = 0.0
-    t_first_token: float = 0.0
-    t_done: float = 0.0
-    attention_s: float = 0.0  # emulated seconds of the passes it was in (its share)
-    error: str = ""
-
-
-@dataclass
 class SimResult:
     mode: str
-    records: list[SimRecord]
+    records: list[RequestRecord]
     t0: float
     jct_s: float  # simulation seconds: last request done - start
     passes: list[dict]
@@ -280,7 +246,7 @@ class _Engine:
 class _PrefillJob:
     __slots__ = ("rec", "plan", "n_past", "first", "done", "t_first_token", "de_host")
 
-    def __init__(self, rec: SimRecord, plan, n_past: int, done, de_host: _Host | None):
+    def __init__(self, rec: RequestRecord, plan, n_past: int, done, de_host: _Host | None):
         self.rec, self.plan, self.n_past = rec, plan, n_past
         self.first = True
         self.done = done
@@ -291,7 +257,7 @@ class _PrefillJob:
 class _DecodeJob:
     __slots__ = ("rec", "ctx", "left", "times", "done", "wb_blocks", "node")
 
-    def __init__(self, rec: SimRecord, n_prompt: int, gen_len: int, done, wb_blocks: int, node: _Host):
+    def __init__(self, rec: RequestRecord, n_prompt: int, gen_len: int, done, wb_blocks: int, node: _Host):
         self.rec = rec
         self.ctx = n_prompt + 1  # keys the first step's token attends to (its own included)
         self.left = gen_len - 1  # steps to run: the first token came from prefill
@@ -472,7 +438,7 @@ class ClusterSim:
         # Trace agents share one store, keyed by block: what the warm-up persisted before the mode's
         # first request, then every prompt block a request's write-back (or the oracle) persists.
         self.stored_keys: set[int] = {k for ks in warm_keys for k in ks}
-        self.records: list[SimRecord] = []
+        self.records: list[RequestRecord] = []
         self.passes: list[dict] = []
         self._wb_links = {}
         self.t0 = 0.0
@@ -672,7 +638,7 @@ class ClusterSim:
         ctx = tr.system_prompt_len
         for t, (append, gen) in enumerate(tr.turns):
             prompt_len = ctx + append
-            rec = SimRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
+            rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
             yield from self._request(rec, prompt_len, gen)
             self.records.append(rec)
             ctx = prompt_len + gen
@@ -687,7 +653,7 @@ class ClusterSim:
         for t, turn in enumerate(tr.trace_turns):
             if turn.at_s is not None and arrived + turn.at_s > env.now:
                 yield env.timeout(arrived + turn.at_s - env.now)
-            rec = SimRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
+            rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
             yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys)
             self.records.append(rec)
 
@@ -698,7 +664,7 @@ class ClusterSim:
             n += 1
         return n
 
-    def _request(self, rec: SimRecord, prompt_len: int, gen_len: int, keys: Sequence[int] | None = None):
+    def _request(self, rec: RequestRecord, prompt_len: int, gen_len: int, keys: Sequence[int] | None = None):
         """One request. `keys` (a trace turn's block keys) looks its hits up in the shared store;
         without them the trajectory's own stored context is what hits."""
         env, cfg, cal = self.env, self.cfg, self.cal

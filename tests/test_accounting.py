@@ -186,7 +186,7 @@ def test_rereads_add_their_bytes_on_their_own_hops():
 
 
 def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named():
-    from testbed.cluster.conductor import RequestRecord
+    from dualpath.lifecycle.record import RequestRecord
     from testbed.experiments.results import interfaces_of
 
     # the isolation experiment's conditions are oracle passes named after the condition

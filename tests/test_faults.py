@@ -11,7 +11,7 @@ import pytest
 
 from dualpath.store.checksum import WRITE_ALGO, checksum
 from emulators.kvstore.blockfile import encode_header
-from testbed.cluster.conductor import RequestRecord
+from dualpath.lifecycle.record import RequestRecord
 from testbed.fabric.network import plan
 from testbed.cluster.faults import (
     FaultError, FaultLog, block_intact, fill_disk, flip_bit, free_disk, lost_blocks, parse_fault, parse_faults,

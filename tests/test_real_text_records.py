@@ -20,7 +20,7 @@ import pytest
 import typer
 
 from testbed.cli import run as cli
-from testbed.cluster.conductor import RequestRecord
+from dualpath.lifecycle.record import RequestRecord
 from tests.conftest import REPO
 
 TOPO = REPO / "topologies" / "1p1d.yaml"

@@ -127,6 +127,19 @@ def test_a_small_run_finishes_every_request_deterministically_with_the_summary_k
     assert s["modes"]["oracle"]["jct_s"] < s["modes"]["dualpath"]["jct_s"] < s["modes"]["basic"]["jct_s"]
 
 
+def test_the_sim_and_the_conductor_keep_one_request_record():
+    from dualpath.lifecycle.record import RequestRecord
+    from testbed.cluster import conductor
+
+    assert sim_cluster.RequestRecord is RequestRecord is conductor.RequestRecord
+    for module in (sim_cluster, conductor):
+        assert "Record:" not in "".join(l for l in inspect.getsource(module).splitlines(True) if l.startswith("class "))
+    _, cfg, _, trajs = _setup(1)
+    rec = simulate(cfg, trajs, ["dualpath"])["dualpath"].records[0]
+    assert type(rec) is RequestRecord and rec.path in ("pe", "de") and rec.token_times
+    assert "prompt" not in rec.to_json() and rec.to_json()["request"] == rec.request
+
+
 def test_bytes_read_are_the_hits_and_go_where_the_path_says():
     topo, cfg, w, trajs = _setup(4)
     res = simulate(cfg, trajs, ["basic", "dualpath", "oracle"])

@@ -7,7 +7,7 @@ import pytest
 
 from dualpath.model import Transformer
 from dualpath.model.tiny import make_tiny_checkpoint
-from testbed.cluster.conductor import RequestRecord
+from dualpath.lifecycle.record import RequestRecord
 from testbed.experiments.ablation import run_geometry, verify
 from testbed.experiments.results import ModeResult
 from testbed.cluster.verify import _layer_hashes

@@ -49,7 +49,8 @@ from emulators.kvstore.blockfile import HEADER_SIZE, decode_header
 
 if TYPE_CHECKING:
     from testbed.cluster.processes import Cluster
-    from testbed.cluster.conductor import Conductor, RequestRecord
+    from dualpath.lifecycle.record import RequestRecord
+    from testbed.cluster.conductor import Conductor
     from testbed.fabric.network import Fabric
 
 KINDS = ("snic-down", "snic-up", "store-crash", "host-kill", "pe-kill", "de-kill", "corrupt-block", "disk-full")

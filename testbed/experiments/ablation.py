@@ -17,7 +17,8 @@ from dualpath.scheduler.thresholds import PAPER_ALPHA_S, PAPER_BETA_S, Profile
 from dualpath.workload import Workload
 from testbed.fabric import counters
 from testbed.cluster.processes import CONDUCTOR_IP, Cluster
-from testbed.cluster.conductor import MODES, Conductor, RequestRecord
+from dualpath.lifecycle.record import RequestRecord
+from testbed.cluster.conductor import MODES, Conductor
 from testbed.cluster.modes import PATH_POLICY
 from testbed.fabric.access import claimed_fabric
 from testbed.fabric.network import Fabric

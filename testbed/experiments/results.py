@@ -13,7 +13,7 @@ from dualpath.traffic_classes import MODEL
 from dualpath.workload import Workload
 from testbed.fabric import counters
 from testbed.measure.collectives import collective_stats
-from testbed.cluster.conductor import RequestRecord
+from dualpath.lifecycle.record import RequestRecord
 from testbed.cluster.faults import FaultLog
 from testbed.measure.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.paths import REPO

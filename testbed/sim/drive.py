@@ -25,9 +25,8 @@ compares with the one the trace's prefixes allow.
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -260,7 +259,7 @@ def write_results(run_dir: Path, summary: dict[str, Any], results: dict[str, Sim
         with open(run_dir / "records.jsonl", "w") as f:
             for res in results.values():
                 for r in res.records:
-                    d = {key: getattr(r, key) for key in r.__dataclass_fields__}
+                    d = r.to_json()
                     lat = token_latencies(r.t_arrive, r.token_times) if r.token_times else {}
                     d.update({f"{n}_s": (round(v / k, 6) if v is not None else None) for n, v in lat.items()})
                     f.write(json.dumps(d) + "\n")
