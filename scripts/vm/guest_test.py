@@ -186,7 +186,32 @@ def newest(folder: Path) -> Path | None:
     return runs[-1] if runs else None
 
 
-def main() -> int:
+class Tally:
+    """What the steps proved, kept in summary.json after every step: a VM stopped by its timeout
+    keeps what was measured."""
+
+    def __init__(self, out: Path, summary: dict) -> None:
+        self.out, self.summary, self.t0 = out, summary, time.monotonic()
+        self.proven: list[bool] = []
+        self.sent = 0
+        self.failed: list[str] = []
+
+    def add(self, step_name: str, rc: int, rdma: dict | None, proven: object) -> None:
+        self.proven.append(bool(proven))
+        self.sent += (rdma or {}).get("rxe_sent_pkts") or 0
+        if rc:
+            self.failed.append(step_name)
+
+    def save(self) -> None:
+        s = self.summary
+        s["rdma_proven"] = bool(self.proven) and all(self.proven)
+        s["rxe_sent_pkts"] = self.sent
+        s["failed_steps"] = self.failed
+        s["wall_s"]["total_in_guest"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "summary.json").write_text(json.dumps(s, indent=2, default=str) + "\n")
+
+
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
     ap.add_argument("--trajectories", type=int, default=1,
@@ -206,109 +231,102 @@ def main() -> int:
                     "receiver's, to tell where a queue pair's packets went missing or out of order")
     ap.add_argument("--e2e-timeout", type=float, default=7200, help="seconds (its five modes took 3,600 s under TCG, "
                     "before the recomputation that checks them)")
-    args = ap.parse_args()
-    out = REPO / "results" / "vm" / args.run_id
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    uptime0 = float(Path("/proc/uptime").read_text().split()[0])
-    t_all = time.monotonic()
-    summary: dict = {"run_id": args.run_id, "kernel": platform.release(),
-                     "guest_uptime_at_start_s": uptime0, "cpus": os.cpu_count(),
-                     "command": "make vm-test (scripts/vm/guest_test.py)", "wall_s": {}, "steps": {}}
-    proven: list[bool] = []
-    sent = 0
-    failed = []
-    subprocess.run(CLI + ["clean"], cwd=REPO, capture_output=True)
+    return ap.parse_args()
 
-    def save() -> None:
-        """summary.json after every step: a VM stopped by its timeout keeps what was measured."""
-        summary["rdma_proven"] = bool(proven) and all(proven)
-        summary["rxe_sent_pkts"] = sent
-        summary["failed_steps"] = failed
-        summary["wall_s"]["total_in_guest"] = round(time.monotonic() - t_all, 1)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
-    # 1. smoke
+def _smoke(tally: Tally, out: Path, logs: Path) -> None:
     rc, wall, text = step("smoke", CLI + ["check", "--rdma", "--json", "--out", str(out / "check")], logs, 900)
-    summary["wall_s"]["smoke"] = round(wall, 1)
+    tally.summary["wall_s"]["smoke"] = round(wall, 1)
     try:
         rep = json.loads((out / "check" / "rdma.json").read_text())
     except (OSError, ValueError):
         rep = {"rdma_proven": False, "reason": text[-500:]}
-    summary["steps"]["smoke"] = {"exit": rc, "rdma_proven": rep.get("rdma_proven"), "reason": rep.get("reason"),
-                                 "rxe_sent_pkts": rep.get("rdma", {}).get("rxe_sent_pkts"),
-                                 "devices": rep.get("rdma", {}).get("devices"),
-                                 "class_bytes_into_initiator": rep.get("class_bytes_into_initiator"),
-                                 "fallback_control": rep.get("fallback_control")}
-    proven.append(bool(rep.get("rdma_proven")))
-    sent += rep.get("rdma", {}).get("rxe_sent_pkts") or 0
-    if rc:
-        failed.append("smoke")
-    save()
+    tally.summary["steps"]["smoke"] = {"exit": rc, "rdma_proven": rep.get("rdma_proven"), "reason": rep.get("reason"),
+                                       "rxe_sent_pkts": rep.get("rdma", {}).get("rxe_sent_pkts"),
+                                       "devices": rep.get("rdma", {}).get("devices"),
+                                       "class_bytes_into_initiator": rep.get("class_bytes_into_initiator"),
+                                       "fallback_control": rep.get("fallback_control")}
+    tally.add("smoke", rc, rep.get("rdma"), rep.get("rdma_proven"))
 
-    # 2. bench
+
+def _bench(tally: Tally, out: Path, logs: Path, timeout_s: float) -> None:
+    rc, wall, text = step("bench", CLI + ["bench", "transport", "--transport", "rdma", "--out",
+                                          str(out / "bench")], logs, timeout_s)
+    summary = tally.summary
+    summary["wall_s"]["bench"] = round(wall, 1)
+    p = newest(out / "bench" / "transport")
+    b = json.loads(p.read_text()) if p else {}
+    summary["steps"]["bench"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
+                                 **{k: b.get(k) for k in ("rdma_proven", "rxe_sent_pkts", "read_over_perftest",
+                                                          "write_over_perftest", "read_over_perftest_unshaped",
+                                                          "write_over_perftest_unshaped", "error",
+                                                          "class_bytes_into_initiator")}}
+    for leg in ("unshaped", "shaped"):
+        x = b.get(leg, {})
+        summary["steps"]["bench"][leg] = {k: x.get(k) for k in (
+            "READ_median_GBps", "WRITE_median_GBps", "perftest_READ_median_GBps", "perftest_WRITE_median_GBps",
+            "READ_over_perftest_all", "WRITE_over_perftest_all", "machine_cpu_s_per_GB", "rxe_sent_pkts")}
+    if b.get("unshaped", {}).get("submission"):
+        summary["steps"]["bench"]["submission"] = b["unshaped"]["submission"]
+    summary["read_over_perftest"] = b.get("read_over_perftest")
+    summary["write_over_perftest"] = b.get("write_over_perftest")
+    tally.add("bench", rc, {"rxe_sent_pkts": b.get("rxe_sent_pkts")}, b.get("rdma_proven"))
+
+
+def _e2e(tally: Tally, out: Path, logs: Path, args: argparse.Namespace) -> None:
+    dropped0 = softnet_dropped()
+    with LossSampler() as losses, wq_cpumask(args.wq_cpumask) as mask, capture(args.capture, out) as pcap:
+        rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", args.modes,
+                                            "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
+                              logs, args.e2e_timeout)
+    summary = tally.summary
+    summary["wall_s"]["e2e"] = round(wall, 1)
+    p = newest(out / "e2e")
+    e = json.loads(p.read_text()) if p else {}
+    summary["steps"]["e2e"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
+                               "topology": args.topology, "trajectories": args.trajectories,
+                               "rdma": e.get("rdma"), "transport": e.get("transport"),
+                               "softnet_dropped": softnet_dropped() - dropped0,
+                               "wq_cpumask": mask, "capture": pcap,
+                               "losses": losses.totals(),
+                               "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
+    summary["modes"] = {m: _mode_entry(v) for m, v in e.get("modes", {}).items()}
+    tally.add("e2e", rc, e.get("rdma"), (e.get("rdma") or {}).get("rdma_proven"))
+
+
+def _mode_entry(v: dict) -> dict:
+    return {"verification": v.get("verification"), "requests": v.get("requests"),
+            "errors": v.get("errors"), "faithful": v.get("faithful"),
+            "kv_bytes_vs_expected": {k: v["kv_bytes_vs_expected"][k] for k in ("nics", "within")},
+            "nic_ratios": {r["nic"]: r["ratio"] for r in v["kv_bytes_vs_expected"]["per_nic"]},
+            "control_bytes": v.get("control_bytes"),
+            "rdma": {k: v.get("rdma", {}).get(k) for k in ("rdma_proven", "rxe_sent_pkts",
+                                                           "rxe_rcvd_pkts", "kv_bytes", "retries")}}
+
+
+def main() -> int:
+    args = _parse_args()
+    out = REPO / "results" / "vm" / args.run_id
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    uptime0 = float(Path("/proc/uptime").read_text().split()[0])
+    summary: dict = {"run_id": args.run_id, "kernel": platform.release(),
+                     "guest_uptime_at_start_s": uptime0, "cpus": os.cpu_count(),
+                     "command": "make vm-test (scripts/vm/guest_test.py)", "wall_s": {}, "steps": {}}
+    tally = Tally(out, summary)
+    subprocess.run(CLI + ["clean"], cwd=REPO, capture_output=True)
+    _smoke(tally, out, logs)
+    tally.save()
     if not args.skip_bench:
-        rc, wall, text = step("bench", CLI + ["bench", "transport", "--transport", "rdma", "--out",
-                                              str(out / "bench")], logs, args.bench_timeout)
-        summary["wall_s"]["bench"] = round(wall, 1)
-        p = newest(out / "bench" / "transport")
-        b = json.loads(p.read_text()) if p else {}
-        summary["steps"]["bench"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
-                                     **{k: b.get(k) for k in ("rdma_proven", "rxe_sent_pkts", "read_over_perftest",
-                                                              "write_over_perftest", "read_over_perftest_unshaped",
-                                                              "write_over_perftest_unshaped", "error",
-                                                              "class_bytes_into_initiator")}}
-        for leg in ("unshaped", "shaped"):
-            x = b.get(leg, {})
-            summary["steps"]["bench"][leg] = {k: x.get(k) for k in (
-                "READ_median_GBps", "WRITE_median_GBps", "perftest_READ_median_GBps", "perftest_WRITE_median_GBps",
-                "READ_over_perftest_all", "WRITE_over_perftest_all", "machine_cpu_s_per_GB", "rxe_sent_pkts")}
-        if b.get("unshaped", {}).get("submission"):
-            summary["steps"]["bench"]["submission"] = b["unshaped"]["submission"]
-        summary["read_over_perftest"] = b.get("read_over_perftest")
-        summary["write_over_perftest"] = b.get("write_over_perftest")
-        proven.append(bool(b.get("rdma_proven")))
-        sent += b.get("rxe_sent_pkts") or 0
-        if rc:
-            failed.append("bench")
-        save()
-
-    # 3. e2e
+        _bench(tally, out, logs, args.bench_timeout)
+        tally.save()
     if not args.skip_e2e:
-        dropped0 = softnet_dropped()
-        with LossSampler() as losses, wq_cpumask(args.wq_cpumask) as mask, capture(args.capture, out) as pcap:
-            rc, wall, text = step("e2e", CLI + ["run", args.topology, "--transport", "rdma", "--modes", args.modes,
-                                                "--trajectories", str(args.trajectories), "--out", str(out / "e2e")],
-                                  logs, args.e2e_timeout)
-        summary["wall_s"]["e2e"] = round(wall, 1)
-        p = newest(out / "e2e")
-        e = json.loads(p.read_text()) if p else {}
-        summary["steps"]["e2e"] = {"exit": rc, "summary": str(p.relative_to(REPO)) if p else None,
-                                   "topology": args.topology, "trajectories": args.trajectories,
-                                   "rdma": e.get("rdma"), "transport": e.get("transport"),
-                                   "softnet_dropped": softnet_dropped() - dropped0,
-                                   "wq_cpumask": mask, "capture": pcap,
-                                   "losses": losses.totals(),
-                                   "error": next((ln for ln in text.splitlines() if ln.startswith("dualpath:")), None)}
-        summary["modes"] = {m: {"verification": v.get("verification"), "requests": v.get("requests"),
-                                "errors": v.get("errors"), "faithful": v.get("faithful"),
-                                "kv_bytes_vs_expected": {k: v["kv_bytes_vs_expected"][k] for k in ("nics", "within")},
-                                "nic_ratios": {r["nic"]: r["ratio"] for r in v["kv_bytes_vs_expected"]["per_nic"]},
-                                "control_bytes": v.get("control_bytes"),
-                                "rdma": {k: v.get("rdma", {}).get(k) for k in ("rdma_proven", "rxe_sent_pkts",
-                                                                               "rxe_rcvd_pkts", "kv_bytes", "retries")}}
-                            for m, v in e.get("modes", {}).items()}
-        proven.append(bool(e.get("rdma", {}).get("rdma_proven")))
-        sent += (e.get("rdma") or {}).get("rxe_sent_pkts") or 0
-        if rc:
-            failed.append("e2e")
-
-    save()
-    print(f"vm-test: rdma_proven {summary['rdma_proven']}, rxe_sent_pkts {sent}, read/write over perftest "
+        _e2e(tally, out, logs, args)
+    tally.save()
+    print(f"vm-test: rdma_proven {summary['rdma_proven']}, rxe_sent_pkts {tally.sent}, read/write over perftest "
           f"(shaped) {summary.get('read_over_perftest')}/{summary.get('write_over_perftest')}, "
-          f"failed steps {failed or 'none'}; {out.relative_to(REPO)}/summary.json", flush=True)
-    return 1 if failed or not summary["rdma_proven"] else 0
-
+          f"failed steps {tally.failed or 'none'}; {out.relative_to(REPO)}/summary.json", flush=True)
+    return 1 if tally.failed or not summary["rdma_proven"] else 0
 
 if __name__ == "__main__":
     sys.exit(main())
