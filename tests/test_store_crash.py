@@ -2,7 +2,7 @@
 
 Nothing half-written may ever become visible, every acknowledged block must
 survive, and startup must remove the temp files the crash left behind. The
-server runs as a real subprocess (python -m emulators.kvstore.server) on
+server runs as a real subprocess (python -m emulators.kvstore) on
 127.0.0.1 with an ephemeral port; every process is killed in `finally`.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ class ServerProcess:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 30.0,
         block_bytes: int = 0,
-        module: str = "emulators.kvstore.server",
+        module: str = "emulators.kvstore",
     ) -> None:
         """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
         a run passes its Full Block size so a put of any other size is refused. `module`: the

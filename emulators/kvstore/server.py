@@ -36,61 +36,58 @@ prints "LISTENING host:port" on stdout once it accepts connections.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import queue
 import resource
 import select
-import signal
 import socket
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.store.checksum import ALGO_NAMES, WRITE_ALGO
-from dualpath.store.errors import (
-    BadRequestError,
-    ProtocolError,
-    ServerBusyError,
-    StoreError,
-    short_repr,
-)
+from dualpath.store.errors import BadRequestError, ProtocolError, ServerBusyError, StoreError, short_repr
 from dualpath.store.keys import check_key
-from dualpath.store.protocol import (
-    MAX_MGET_KEYS,
-    OPS,
-    PROTOCOL_VERSION,
-    format_address,
-    pack_frame,
-    parse_address,
-    peek_header,
-    recv_exact_into,
-    recv_header,
-)
+from dualpath.store.protocol import MAX_MGET_KEYS, OPS, PROTOCOL_VERSION, pack_frame, parse_address, peek_header, recv_exact_into, recv_header
 from dualpath.store.protocol import MAX_ID
-
 from .storage import BlockHandle, BlockStore, RecoveryReport
+from emulators.kvstore.connection import _BufferPool, _CloseConnection, _ConnState, _MgetBatch, _error_frame, _hang_up, _is_int, _is_mget, _sendfile_all
+
 
 log = logging.getLogger("emulators.kvstore.server")
 
+
 DRAIN_BYTES = 64 * 1024  # per-connection buffer: fallback for puts when the pool is empty
+
+
 # Bytes of upcoming blocks a connection keeps being read from disk ahead of the
 # one it sends. Asking for a whole mget at once (32 MiB and more) made cold reads
 # slower here: the next block's reads queue behind those of blocks needed much
 # later. 8 MiB measured best (cold store reads 1.64 GB/s vs 1.34 all at once,
 # 1.47 at 2 MiB, 1.36 at 32 MiB; 1 MiB blocks, interleaved runs).
 READAHEAD_BYTES = 8 << 20
+
+
 MAX_HAS_KEYS = 1024  # a has-request's keys also fit the 64 KiB header limit
+
+
 MAX_VERIFY_KEYS = 128  # a verifying has reads every payload: as many blocks as one mget
+
+
 # Block files a connection keeps open ahead of the one it sends (besides READAHEAD_BYTES):
 # bounds its descriptors whatever the block size (8 MiB of 64 KiB blocks would be 128).
 MAX_FDS_AHEAD = 64
+
+
 FDS_PER_CONN = MAX_FDS_AHEAD + 4  # + its socket, a put's temp file, a check's open, the block being sent
+
+
 FD_RESERVE = 64  # listening socket, stdio, log, LOCK, directories, refusals, Python's own
+
+
 EVICT_IDLE_S = 1.0  # a connection idle this long may be closed to admit a new one when full
+
+
 DEFAULT_MIN_RATE = 16 << 10  # bytes/s a payload must at least move at (see the module docstring)
 
 
@@ -105,132 +102,6 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:  # e.g. a hard limit above fs.nr_open
             log.warning("cannot raise the file descriptor limit from %d to %d: %s", soft, want, exc)
     return soft
-
-
-class _ConnState:
-    """A connection as the accept loop sees it: who, and since when it waits for a request."""
-
-    __slots__ = ("sock", "peer", "idle_since", "evicted")
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock, self.peer = sock, peer
-        self.idle_since: float | None = None  # None: a request is being read or answered
-        self.evicted = False
-
-
-class _BufferPool:
-    """A fixed set of chunk buffers: the server's bound on in-flight payload bytes."""
-
-    def __init__(self, chunk_bytes: int, max_inflight_bytes: int) -> None:
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        for _ in range(max(1, max_inflight_bytes // chunk_bytes)):
-            self._free.put(bytearray(chunk_bytes))
-
-    def acquire(self, timeout: float) -> bytearray | None:
-        try:
-            return self._free.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def release(self, buf: bytearray) -> None:
-        self._free.put(buf)
-
-
-class _CloseConnection(Exception):
-    """The stream can no longer be trusted to be in sync: reply (if `reply`), then hang up."""
-
-    def __init__(self, reply: StoreError | None = None, rid: int = -1) -> None:
-        super().__init__(str(reply) if reply is not None else "")
-        self.reply, self.rid = reply, rid
-
-
-def _error_frame(rid: Any, err: StoreError) -> bytes:
-    return pack_frame({"id": rid, "ok": False, "err": err.code, "msg": str(err), "key": err.key})
-
-
-def _hang_up(conn: socket.socket, err: StoreError, rid: int = -1) -> None:
-    """Send one error frame, then close without a RST destroying it: the client's unread bytes
-    are read and dropped first (at most 0.5 s and 1 MiB). Best effort; never raises."""
-    try:
-        conn.settimeout(0.5)
-        conn.sendall(_error_frame(rid, err))
-        conn.shutdown(socket.SHUT_WR)
-        deadline, drained = time.monotonic() + 0.5, 0
-        while drained < (1 << 20) and time.monotonic() < deadline:
-            chunk = conn.recv(65536)
-            if not chunk:
-                break
-            drained += len(chunk)
-    except OSError:
-        pass
-
-
-@dataclass
-class _MgetBatch:
-    """One mget's files, opened as their reads are started (read ahead) and sent in key order,
-    each fd closed once used. Files are opened lazily so a connection holds at most
-    MAX_FDS_AHEAD of them however many keys it asks for."""
-
-    rid: int
-    keys: list[Any]
-    # items[:hinted]: an open fd, the error to reply, or None once handed on; the rest: not opened yet
-    items: list[int | StoreError | None] = field(default_factory=list)
-    hinted: int = 0  # items[:hinted] have been opened and had their reads started (in order)
-    hinted_bytes: int = 0
-    done_bytes: int = 0  # hinted bytes of the items already sent or answered
-    sent: int = 0  # items[:sent] have been handed on
-    sizes: list[int] = field(default_factory=list)  # bytes hinted per item, for items[:hinted]
-
-    def close(self) -> None:
-        for i, item in enumerate(self.items):
-            self.items[i] = None
-            if isinstance(item, int):
-                os.close(item)
-
-
-def _is_int(v: object) -> bool:
-    return type(v) is int  # bool is an int subclass; True on the wire is a bug, not 1
-
-
-def _is_mget(req: dict[str, Any]) -> bool:
-    """A well-formed mget frame (the checks _handle and _mget make before serving one)."""
-    rid, n, keys = req.get("id"), req.get("n", 0), req.get("keys")
-    return (
-        req.get("op") == "mget"
-        and _is_int(rid)
-        and 0 <= rid <= MAX_ID - MAX_MGET_KEYS
-        and _is_int(n)
-        and n == 0
-        and isinstance(keys, list)
-        and 0 < len(keys) <= MAX_MGET_KEYS
-    )
-
-
-def _sendfile_all(conn: socket.socket, fd: int, offset: int, count: int, timeout_s: float,
-                  deadline: float | None = None) -> None:
-    """Send `count` bytes of file `fd` from `offset` with sendfile(): page cache to socket, no user copy.
-
-    The socket has a timeout (so it is non-blocking underneath); wait for
-    writability with poll() on EAGAIN, at most timeout_s per wait, and give up
-    at `deadline` (time.monotonic()) whatever the progress.
-    """
-    out = conn.fileno()
-    poller = None
-    while count > 0:
-        try:
-            sent = os.sendfile(out, fd, offset, count)
-        except BlockingIOError:
-            if poller is None:
-                poller = select.poll()
-                poller.register(out, select.POLLOUT)
-            wait = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
-            if wait <= 0 or not poller.poll(wait * 1000):
-                raise TimeoutError("client stopped reading")
-            continue
-        if sent == 0:  # the file is shorter than its header said: the stream is now broken
-            raise _CloseConnection()
-        offset += sent
-        count -= sent
 
 
 class StoreServer:
@@ -703,55 +574,3 @@ class StoreServer:
             # "new": stored now; "repaired": replaced a damaged block; neither: an intact one was there.
             conn.sendall(pack_frame({"id": rid, "ok": True, "new": status == "new", "repaired": status == "repaired"}))
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m emulators.kvstore.server", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (port 0: pick a free one)")
-    ap.add_argument("--root", required=True, help="directory holding this server's blocks")
-    ap.add_argument("--capacity-bytes", type=int, required=True, help="bytes of blocks (headers included) to accept")
-    ap.add_argument("--max-block-bytes", type=int, default=256 << 20)
-    ap.add_argument("--block-bytes", type=int, default=0,
-                    help="the one block size this store holds (0: any size up to --max-block-bytes)")
-    ap.add_argument("--max-conns", type=int, default=256, help="lowered at start to what RLIMIT_NOFILE carries")
-    ap.add_argument("--max-conns-per-peer", type=int, default=64)
-    ap.add_argument("--idle-timeout-s", type=float, default=30.0, help="close connections idle this long")
-    ap.add_argument("--max-inflight-bytes", type=int, default=64 << 20, help="bound on buffered put payload")
-    ap.add_argument("--verify-reads", action="store_true", help="also check payload CRCs on the server before sending")
-    ap.add_argument("--server-id", default="")
-    ap.add_argument("--log-level", default="WARNING")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    srv = StoreServer(
-        args.root,
-        args.capacity_bytes,
-        args.listen,
-        max_block_bytes=args.max_block_bytes,
-        block_bytes=args.block_bytes,
-        max_conns=args.max_conns,
-        max_conns_per_peer=args.max_conns_per_peer,
-        idle_timeout_s=args.idle_timeout_s,
-        max_inflight_bytes=args.max_inflight_bytes,
-        verify_reads=args.verify_reads,
-        server_id=args.server_id,
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        host, port = srv.start()
-    except (OSError, RuntimeError, ValueError) as exc:
-        print(f"kvstore server: cannot start: {exc}", file=sys.stderr)
-        return 2
-    rec = srv.recovery
-    print(f"LISTENING {format_address(host, port)}", flush=True)
-    if rec is not None and rec.removed_temp_files:
-        log.warning("startup removed %d stale temp files", rec.removed_temp_files)
-    while not stop.wait(1.0):
-        pass
-    srv.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
