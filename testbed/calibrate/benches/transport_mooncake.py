@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dualpath.transport.mooncake import WHEEL, MissingMooncake  # noqa: F401 (the CLI catches it here)
+from testbed.calibrate.benches.peer import pattern
 
 ROUNDS = 3
 REPS = 3
@@ -68,10 +69,6 @@ def _engine(ip: str, device: str = ""):
         raise RuntimeError(f"Mooncake's transfer engine did not start on {ip}"
                            + (f" with RDMA device {device}" if device else ""))
     return te
-
-
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 def run_target(ip: str, size: int, max_s: float, device: str = "") -> None:
