@@ -202,7 +202,6 @@ class Conductor:
         """One try at a request; True: try again (a process it depended on died), with
         rec.error saying why. Without faults the first try is the only one."""
         g, c = self.geom, self.c
-        fb = g.full_block_bytes
         for name, value in _ATTEMPT_FIELDS.items():  # what an earlier try produced is gone
             setattr(rec, name, list(value) if isinstance(value, list) else value)
         keys, n_hit_blocks = match_prefix(prompt, self.stored, g, self.ns)
@@ -256,39 +255,10 @@ class Conductor:
             if plan.moves_kv and plan.writeback is not None:
                 held["wb"] = (plan.de_node, await self._alloc(plan.writeback))
                 wb = Span(plan.de_node, "buf", held["wb"][1])
-            dec = await c.jobs[rec.de].call(
-                "decode", request=rid, n_prompt=len(prompt), first_token=job.first_token,
-                t_first_token=job.t_first_token, gen_len=gen_len, src=dst.to_msg() if dst else None,
-                wb=wb.to_msg() if wb else None, first_new_block=plan.first_new_block,
-                expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
-            rec.reread_bytes = dec["reread_bytes"]
-            rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
-            rec.connectors = (rec.connectors[0], dec.get("connector", ""))
-            rec.token_times = [round(t - self.t0, 6) for t in dec["token_times"]]
+            dec = await self._decode(rec, rid, len(prompt), gen_len, plan, job, dst, wb)
             if "de" in held:
                 await self._free(*held.pop("de"))
-            all_keys = chain_keys(prompt + rec.tokens[:-1], g.block_size, namespace=self.ns)  # KV that exists
-            if not plan.moves_kv:
-                self.stored.update(all_keys)  # as if written back, with no I/O
-            elif dec["written_blocks"]:
-                written = [all_keys[b] for b in dec["written_blocks"]]
-                await c.jobs[plan.de_node].call(
-                    "wait_notifs", peer=rec.de, msgs=[plan.writeback_notif(b) for b in dec["written_blocks"]],
-                    timeout_s=self.timeout_s)
-                res = await c.jobs[plan.de_node].call("flush", keys=written, offset=held["wb"][1],
-                                                      crcs=dec["block_crcs"], timeout_s=self.timeout_s)
-                rec.writeback_bytes = len(written) * fb
-                kept = [k for k, ok in zip(written, res.get("stored", [True] * len(written))) if ok]
-                if len(kept) < len(written):  # not persisted: later turns recompute those blocks
-                    codes = {v.split(":", 1)[0] for v in res.get("errors", {}).values()}
-                    self.faults.flush_failed(rec, plan.de_node, codes, self._now(),
-                                             f"{len(written) - len(kept)} of {len(written)} blocks not persisted "
-                                             f"({', '.join(sorted(codes))}): recomputed by later turns")
-                elif res.get("retries"):
-                    self.faults.store_retried(rec, plan.de_node, self._now(), "write-back retried the store")
-                self.stored.update(kept)
-                self.persisted.update(kept)
-                self.faults.stored(kept, self._now())
+            await self._write_back(rec, plan, prompt, dec, held.get("wb"))
             rec.t_done = self._now()
             rec.error = ""
         except (ControlError, OutOfSpace) as e:
@@ -304,6 +274,50 @@ class Conductor:
             for node, o in held.values():
                 await self._free(node, o)
         return False
+
+    async def _decode(self, rec: RequestRecord, rid: str, n_prompt: int, gen_len: int, plan: RequestPlan,
+                      job: PrefillJob, src: Span | None, wb: Span | None) -> dict:
+        """The request's decode on its DE, from the KV at `src`, writing Full Blocks to `wb`."""
+        dec = await self.c.jobs[rec.de].call(
+            "decode", request=rid, n_prompt=n_prompt, first_token=job.first_token,
+            t_first_token=job.t_first_token, gen_len=gen_len, src=src.to_msg() if src else None,
+            wb=wb.to_msg() if wb else None, first_new_block=plan.first_new_block,
+            expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
+        rec.reread_bytes = dec["reread_bytes"]
+        rec.tokens, rec.de_layer_hashes = dec["tokens"], dec["layer_hashes"]
+        rec.connectors = (rec.connectors[0], dec.get("connector", ""))
+        rec.token_times = [round(t - self.t0, 6) for t in dec["token_times"]]
+        return dec
+
+    async def _write_back(self, rec: RequestRecord, plan: RequestPlan, prompt: list[int], dec: dict,
+                          wb: tuple[str, int] | None) -> None:
+        """Persist the Full Blocks the decode engine wrote into the write-back area `wb` (node,
+        offset) once their notifications arrived; a plan that moves no KV stores them as if written."""
+        g, c = self.geom, self.c
+        all_keys = chain_keys(prompt + rec.tokens[:-1], g.block_size, namespace=self.ns)  # KV that exists
+        if not plan.moves_kv:
+            self.stored.update(all_keys)  # as if written back, with no I/O
+            return
+        if not dec["written_blocks"]:
+            return
+        written = [all_keys[b] for b in dec["written_blocks"]]
+        await c.jobs[plan.de_node].call(
+            "wait_notifs", peer=rec.de, msgs=[plan.writeback_notif(b) for b in dec["written_blocks"]],
+            timeout_s=self.timeout_s)
+        res = await c.jobs[plan.de_node].call("flush", keys=written, offset=wb[1],
+                                              crcs=dec["block_crcs"], timeout_s=self.timeout_s)
+        rec.writeback_bytes = len(written) * g.full_block_bytes
+        kept = [k for k, ok in zip(written, res.get("stored", [True] * len(written))) if ok]
+        if len(kept) < len(written):  # not persisted: later turns recompute those blocks
+            codes = {v.split(":", 1)[0] for v in res.get("errors", {}).values()}
+            self.faults.flush_failed(rec, plan.de_node, codes, self._now(),
+                                     f"{len(written) - len(kept)} of {len(written)} blocks not persisted "
+                                     f"({', '.join(sorted(codes))}): recomputed by later turns")
+        elif res.get("retries"):
+            self.faults.store_retried(rec, plan.de_node, self._now(), "write-back retried the store")
+        self.stored.update(kept)
+        self.persisted.update(kept)
+        self.faults.stored(kept, self._now())
 
     async def _read_hits(self, rec: RequestRecord, plan: RequestPlan, off: dict[str, int]) -> int:
         """The plan's loads from the store, every side at once (a split reads both). Returns how
