@@ -701,24 +701,9 @@ class ClusterSim:
             yield h.buffer.get(area.blocks * fbb)
             held[area.name] = (h, area.blocks * fbb)
         if plan.loads:
-            rec.t_read_start = env.now
-            evs = []
-            for ld in plan.loads:
-                done = env.event()
-                evs.append(done)
-                env.process(self._load_cmd(self.hosts[ld.node], len(ld.keys) * fbb, done))
-            yield simpy.AllOf(env, evs)
-            rec.t_read_end = env.now
+            yield from self._read_hits(rec, plan)
         rec.t_prefill_start = env.now
-        job = _PrefillJob(rec, plan, rec.n_hit, env.event(), de.node)
-        q = self._queues.get(pe.name)
-        if q is None:
-            q = self._queues[pe.name] = PrefillQueue(cfg.prefill_cost, cfg.quota_s)
-        q.push(rid, rec.n_hit, prompt_len - rec.n_hit)
-        self._jobs[rid] = job
-        if pe.name not in self._batching:
-            self._batching.add(pe.name)
-            env.process(self._batcher(pe))
+        job = self._enqueue_prefill(rec, plan, pe, de)
         yield job.done
         rec.t_first_token = job.t_first_token
         if plan.moves_kv:
@@ -756,6 +741,31 @@ class ClusterSim:
         else:  # the write-back persists from the first new block on; the oracle, as if it all were
             self.stored_keys.update(keys[:n_hit_blocks + n_wb] if plan.moves_kv else keys)
         rec.t_done = env.now
+
+    def _read_hits(self, rec: RequestRecord, plan):
+        """The plan's loads from the store, every side at once (a split reads both)."""
+        env, fbb = self.env, self.cfg.full_block_bytes
+        rec.t_read_start = env.now
+        evs = []
+        for ld in plan.loads:
+            done = env.event()
+            evs.append(done)
+            env.process(self._load_cmd(self.hosts[ld.node], len(ld.keys) * fbb, done))
+        yield simpy.AllOf(env, evs)
+        rec.t_read_end = env.now
+
+    def _enqueue_prefill(self, rec: RequestRecord, plan, pe: _Engine, de: _Engine) -> _PrefillJob:
+        """Queue the request on its PE's prefill batcher (started on the PE's first request)."""
+        job = _PrefillJob(rec, plan, rec.n_hit, self.env.event(), de.node)
+        q = self._queues.get(pe.name)
+        if q is None:
+            q = self._queues[pe.name] = PrefillQueue(self.cfg.prefill_cost, self.cfg.quota_s)
+        q.push(rec.request, rec.n_hit, rec.n_prompt - rec.n_hit)
+        self._jobs[rec.request] = job
+        if pe.name not in self._batching:
+            self._batching.add(pe.name)
+            self.env.process(self._batcher(pe))
+        return job
 
     def _load_cmd(self, host: _Host, nbytes: int, done: simpy.Event):
         env = self.env
