@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import dualpath.scheduler.core as core
 from dualpath.traffic_classes import KV, MODEL
 from simulator import cluster as sim_cluster
+from simulator import parts as sim_parts
 from simulator.calibration import UNCALIBRATED, Calibration
 from simulator.flows import Flow, FlowNetwork, Link
 from simulator.network import FastFlowNetwork
@@ -283,14 +284,14 @@ def test_jitter_draws_factors_of_mean_one_and_the_given_spread_from_the_seed():
     the same seed gives the same draws (a simulation is reproducible), another seed others."""
     import statistics
 
-    first = sim_cluster._Jitter(0.8, "0:dualpath").factor()
-    j = sim_cluster._Jitter(0.8, "0:dualpath")
+    first = sim_parts._Jitter(0.8, "0:dualpath").factor()
+    j = sim_parts._Jitter(0.8, "0:dualpath")
     xs = [j.factor() for _ in range(40_000)]
     assert xs[0] == first and min(xs) > 0
     assert statistics.fmean(xs) == pytest.approx(1.0, abs=0.03)
     assert statistics.pstdev(xs) == pytest.approx(0.8, rel=0.08)
-    assert sim_cluster._Jitter(0.8, "1:dualpath").factor() != xs[0]
-    assert {sim_cluster._Jitter(0.0, "0:x").factor() for _ in range(3)} == {1.0}
+    assert sim_parts._Jitter(0.8, "1:dualpath").factor() != xs[0]
+    assert {sim_parts._Jitter(0.0, "0:x").factor() for _ in range(3)} == {1.0}
     with pytest.raises(ValueError, match="jitter"):
         Calibration(jitter=-0.1)
 
