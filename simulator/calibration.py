@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+COMMITTED = Path(__file__).with_name("calibration.json")  # fitted on the committed runs; package data
+
 FIELDS = ("rpc_s", "pass_fixed_s", "step_gap_s", "load_fixed_s", "flush_fixed_s", "compute_efficiency",
           "read_contention_s", "exposed_io", "xfer_latency_s", "cpu_cores", "cpu_base", "cpu_per_compute",
           "cpu_per_mbps", "pass_cpu", "step_cpu", "cpu_window_s", "jitter", "burst_extra_bytes")

@@ -128,7 +128,7 @@ def test_calibration_simulates_an_online_run_with_its_arrivals():
 
     run = load_run(REPO / "results" / "e2e" / "online-1p1d-io-1.5aps")
     assert run.aps == 1.5
-    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json")
+    cal = Calibration.load(REPO / "simulator" / "calibration.json")
     st = sf._sim_stages(sf.run_topology(run), run, cal, ["basic"])["basic"]
     last = max(poisson_arrivals(run.summary["trajectories"], run.aps, sf.arrival_seed(run))) * run.dilation
     assert st["jct"] > last > run.mode("basic")["jct_testbed_s"] * 0.8
@@ -244,7 +244,7 @@ def test_the_report_says_whether_the_calibration_was_fitted_on_the_runs_code(tmp
     cal = Calibration(source={"runs": [{"run": str(tmp_path / "c1")}, {"run": str(tmp_path / "gone")}]})
     assert sr.calibration_codes(cal) == {str(tmp_path / "c1"): {"commit": a, "dirty": False}, str(tmp_path / "gone"): None}
     # the committed calibration names runs in the repository that record their code
-    committed = Calibration.load(REPO / "results" / "sim" / "calibration.json")
+    committed = Calibration.load(REPO / "simulator" / "calibration.json")
     codes = sr.calibration_codes(committed)
     assert codes and all(codes.values())
 
@@ -300,7 +300,7 @@ def test_repeats_of_one_configuration_are_compared_as_their_mean(tmp_path):
     other = copy("c", 8.0, n_trajectories=s_traj(src) - 1)
     groups = sv.group_repeats([a, other, b])
     assert [[r.path.name for r in g] for g in groups] == [["a", "b"], ["c"]]
-    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json").exact()
+    cal = Calibration.load(REPO / "simulator" / "calibration.json").exact()
     (rr,) = [r for r in sv.validate_config(groups[0], cal, progress=lambda s: None) if r["mode"] == "dualpath-rr"]
     assert rr["jct_s"]["testbed"] == 8.5 and rr["jct_s"]["testbed_runs"] == [8.0, 9.0]
     assert rr["jct_err"] == pytest.approx(rr["jct_s"]["sim"] / 8.5 - 1, abs=1e-4)
@@ -324,7 +324,7 @@ def test_the_jitter_fit_recovers_the_jitter_of_simulated_requests(tmp_path):
     assert sf.dispersion([1.0] * 10) == 0.0 and sf.dispersion([1.0, 2.0]) is None
     # quartiles 2.5 and 7.5 (the exclusive method), median 5
     assert sf.dispersion(list(range(1, 10))) == pytest.approx((7.5 - 2.5) / 1.349 / 5)
-    cal = Calibration.load(REPO / "results" / "sim" / "calibration.json").exact()
+    cal = Calibration.load(REPO / "simulator" / "calibration.json").exact()
 
     def run_with_records_of(jitter, seed, name):
         d = tmp_path / name

@@ -8,11 +8,12 @@ from typing import Optional
 
 import typer
 
+from simulator.calibration import COMMITTED
 from testbed.topology import TopologyError, load_topology
 from testbed.cli.shared import AGENTS_OPT, APPEND_SCALE_OPT, GEN_SCALE_OPT, LADDER, LENGTH_SCALE_OPT, OFFLINE_OPT, TIME_SCALE_OPT, TRACE_LIMIT_OPT, TRACE_OPT, TRACE_WINDOW_OPT, WORKLOAD_OPT, _fail, _trace_lines, _workload_options, app
 
 
-SIM_CALIBRATION = Path("results/sim/calibration.json")
+SIM_CALIBRATION = COMMITTED
 
 
 @app.command("sim")

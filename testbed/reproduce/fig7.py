@@ -139,7 +139,7 @@ def projection_section(pj: dict) -> str:
                                 "agent's chain of turns, not the storage NICs, bounds part of their JCT.")
     return "\n".join([
         f"## Projection: MaxLen {pj['max_len']} at its full turn counts, simulated", "",
-        f"Not a testbed result: `simulator` with `results/sim/{pj['calibration']}`, the same 1P1D and trace "
+        f"Not a testbed result: `simulator` with `simulator/{pj['calibration']}`, the same 1P1D and trace "
         f"(lengths / {PAPER_SCALE}) with every turn.{why}{judge} The paper's largest cell: "
         f"{paper.FIG7_SPEEDUP_MAX['DS 27B (1P1D)']}x (DS 27B, 1P1D).", "",
         "| agents | Basic JCT (emulated s) | DualPath JCT | Oracle JCT | DualPath speed-up (x) | testbed time of the three modes |",

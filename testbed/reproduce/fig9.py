@@ -151,7 +151,7 @@ def projection_section(pj: dict) -> str:
             for side in ("append", "gen") for p in pj[side]]
     return "\n".join([
         "## Projection: the paper's model, simulated", "",
-        f"Not a testbed result: `simulator` with `results/sim/{pj['calibration']}`, on the same 1P1D with "
+        f"Not a testbed result: `simulator` with `simulator/{pj['calibration']}`, on the same 1P1D with "
         f"{pj['model']} (standing in for DS 660B) as the target, {pj['agents']} agents of the paper's 64K trace "
         f"(lengths / {PAPER_SCALE}). Its dilation is {x1['dilation']:.3g} (the testbed's runs: "
         f"{pj['testbed_dilation']:.2g} with Qwen2.5-32B), so the x1 run alone would hold this host for "

@@ -188,7 +188,7 @@ def _notes(data: dict[str, Any], quick: bool) -> list[str]:
              "96 % busy. Offline the run lasts what its work takes, so the larger dilation costs minutes instead of "
              "the window's span times the dilation.",
              "Every simulated number is labelled `simulated` and is not a testbed result; the testbed-scale simulation "
-             "uses the committed calibration (results/sim/calibration.json), which was fitted on the demo-shaped "
+             "uses the committed calibration (simulator/calibration.json), which was fitted on the demo-shaped "
              "workloads, not on this trace."]
     tb = data.get("testbed")
     if tb:

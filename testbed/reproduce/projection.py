@@ -2,7 +2,7 @@
 
 Some sizes need more testbed time than this host has (fig7's full turn counts, fig9's paper
 model): the figure then also shows what `simulator`, calibrated on testbed runs
-(results/sim/calibration.json, `dualpath sim --calibrate`), gives for the same configuration. The
+(simulator/calibration.json, `dualpath sim --calibrate`), gives for the same configuration. The
 report says it is simulated and, where a testbed run of a nearby configuration exists, shows the
 simulator's value for that run beside the testbed's so the reader can judge the projection.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from simulator.calibration import COMMITTED
 from testbed.reproduce.plan import RunConfig
 
-CALIBRATION = Path(__file__).resolve().parents[2] / "results" / "sim" / "calibration.json"
+CALIBRATION = COMMITTED
 
 
 def calibration(path: Path = CALIBRATION):
