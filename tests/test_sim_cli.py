@@ -376,3 +376,23 @@ def test_a_reproduce_run_is_labelled_by_its_topology_file_and_folder():
     e2e = REPO / "results" / "e2e"
     assert sf.run_label(load_run(e2e / "fig7-64K-4a-turns4")) == "1p1d-io fig7-64K-4a-turns4"
     assert sf.run_label(load_run(e2e / "online-1p1d-io-1.5aps")) == "1p1d-io@1.5aps"
+
+
+def test_the_committed_fit_recognises_its_own_runs_after_later_topology_fields():
+    """Fields added to topologies after a calibration recorded its runs (a connector, the store
+    kind) leave a run's identity alone at their defaults, and change it when set."""
+    import dataclasses
+
+    from simulator.calibration import COMMITTED, Calibration
+    from testbed.measure.runs import load_run
+
+    cal = Calibration.load(COMMITTED)
+    for name in ("ladder-1p1d-io", "online-1p1d-io-1.5aps"):
+        assert not sv.held_out(load_run(REPO / "results" / "e2e" / name), cal), name
+    run = load_run(REPO / "results" / "e2e" / "ladder-1p1d-io")
+    base = sf.topology_contents(run)
+    assert "store" not in base and "connector" not in base
+    mooncake = dataclasses.replace(run, summary={**run.summary, "topology": "1p1d-io-mooncake"})  # Mooncake Store
+    assert sf.topology_contents(mooncake)["store"] == "mooncake"
+    assert sf.config_identity(mooncake) != sf.config_identity(run)
+

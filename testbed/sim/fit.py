@@ -443,10 +443,18 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
         "sim_mean_dispersion_without_jitter": round(statistics.fmean(tb[k] for k in keys) + g0, 4)}
 
 
+# Topology fields added after calibrations began to record their runs' configurations: at their
+# defaults they describe the cluster those runs had, so they are left out and the recorded
+# identities still match (with them in, every run became "held out" from its own fit).
+LATER_FIELDS = ("connector", "store")
+
+
 def topology_contents(run: Run) -> dict[str, Any]:
     """The run's topology as the cluster it describes, whatever its name (a reproduce run's is
     derived from its overrides)."""
-    return run_topology(run).spec.model_dump(mode="json", exclude={"name", "description"})
+    spec = run_topology(run).spec
+    at_default = {f for f in LATER_FIELDS if getattr(spec, f) == type(spec).model_fields[f].default}
+    return spec.model_dump(mode="json", exclude={"name", "description", *at_default})
 
 
 def config_identity(run: Run) -> str:
