@@ -36,14 +36,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import simpy
 
-from dualpath.kv.plan import Route, plan_request
+from dualpath.kv.plan import Route
+from dualpath.lifecycle.drive import run_in_process
+from dualpath.lifecycle.index import StoreIndex
+from dualpath.lifecycle.prefill import PrefillBatcher, PrefillJob
+from dualpath.lifecycle.request import RequestLifecycle
+from dualpath.lifecycle.steps import (Allocate, AskRoute, AwaitLayers, Decode, DecodeOutcome, LoadHits, NextInstant,
+                                      PassOutcome, PassResult, Prefill, Release, RunPass, WriteBack)
 from dualpath.nodes.leader import HEARTBEAT_S
-from dualpath.scheduler.batching import PrefillQueue
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
 from dualpath.scheduler.records import EngineReport, Request, Role
@@ -53,7 +58,7 @@ from dualpath.lifecycle.record import RequestRecord
 from .calibration import Calibration
 from .flows import Link
 from .network import SimNetwork
-from simulator.parts import _Bell, _DecodeEngine, _DecodeJob, _Engine, _Host, _HostCpu, _Jitter, _PrefillJob
+from simulator.parts import _Bell, _DecodeEngine, _DecodeJob, _Engine, _Host, _HostCpu, _Jitter
 
 
 @dataclass(frozen=True)
@@ -194,16 +199,17 @@ class ClusterSim:
         self._doorbell = Doorbell(self.sched)
         self._decided: dict[str, simpy.Event] = {}
         self._delivered: dict[str, simpy.Event] = {}
-        self._queues: dict[str, PrefillQueue] = {}
-        self._jobs: dict[str, _PrefillJob] = {}
-        self._batching: set[str] = set()
-        self.stored: dict[int, int] = {}  # trajectory -> leading Full Blocks of its context in the store
         # Trace agents share one store, keyed by block: what the warm-up persisted before the mode's
-        # first request, then every prompt block a request's write-back (or the oracle) persists.
-        self.stored_keys: set[int] = {k for ks in warm_keys for k in ks}
+        # first request, then what every request's write-back (or the oracle) persists.
+        self.index = StoreIndex(k for ks in warm_keys for k in ks)
+        self.batcher = PrefillBatcher(cfg.prefill_cost, cfg.quota_s, cfg.kv_bytes_per_token, lambda: self.env.now)
+        self.lifecycle = RequestLifecycle(cfg, connector, self.index, lambda e: self.engines[e].node.name,
+                                          lambda: self.env.now)
+        self._handlers = {AskRoute: self._ask_route, Allocate: self._allocate, Release: self._release,
+                          LoadHits: self._load_hits, Prefill: self._prefill, AwaitLayers: self._await_layers,
+                          Decode: self._decode, WriteBack: self._write_back, NextInstant: self._next_instant,
+                          RunPass: self._run_pass}
         self.records: list[RequestRecord] = []
-        self.passes: list[dict] = []
-        self._wb_links = {}
         self.t0 = 0.0
 
     # ------------------------------------------------------------------ the scheduler service
@@ -391,24 +397,30 @@ class ClusterSim:
         flows = [self._flow(path, nbytes * share) for path, share in self._storage_paths(host.snic_tx, False)]
         yield simpy.AllOf(env, flows)
 
-    # ------------------------------------------------------------------ the conductor
+    # ------------------------------------------------------------------ the agents
     def _trajectory(self, tr: TrajectorySpec):
         env = self.env
         if tr.arrival_s > 0:
             yield env.timeout(tr.arrival_s)
         bs = self.cfg.block_size
-        self.stored[tr.id] = tr.system_prompt_len // bs  # the warm-up persisted the system prompt
+        shared = tr.system_prompt_len // bs
+        self.index.add(_context_keys(tr.id, shared, shared), persisted=True)  # the warm-up's system prompt
+
+        def context_keys(rec: RequestRecord) -> list[int]:
+            return _context_keys(tr.id, shared, (rec.n_prompt + rec.gen_len - 1) // bs)
+
         ctx = tr.system_prompt_len
         for t, (append, gen) in enumerate(tr.turns):
             prompt_len = ctx + append
             rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
-            yield from self._request(rec, prompt_len, gen)
-            self.records.append(rec)
+            yield from self._request(rec, prompt_len, gen, _context_keys(tr.id, shared, prompt_len // bs),
+                                     context_keys)
             ctx = prompt_len + gen
 
     def _trace_agent(self, tr: TrajectorySpec):
         """A replayed trace agent: each turn starts at its trace time, but never before the previous
-        turn's answer (an agent waits for its own output)."""
+        turn's answer (an agent waits for its own output). Its turns' keys are the trace's own, so
+        agents share the store where their prompts share prefixes."""
         env = self.env
         if tr.arrival_s > 0:
             yield env.timeout(tr.arrival_s)
@@ -417,118 +429,91 @@ class ClusterSim:
             if turn.at_s is not None and arrived + turn.at_s > env.now:
                 yield env.timeout(arrived + turn.at_s - env.now)
             rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
-            yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys)
-            self.records.append(rec)
+            yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys, lambda r, k=turn.keys: k)
 
-    def _stored_run(self, keys: Sequence[int]) -> int:
-        """Leading blocks of `keys` the shared store holds (the store's match_prefix)."""
-        n = 0
-        while n < len(keys) and keys[n] in self.stored_keys:
-            n += 1
-        return n
+    def _request(self, rec: RequestRecord, prompt_len: int, gen_len: int, keys: Sequence[int], context_keys):
+        """One request: the lifecycle (dualpath.lifecycle.request), its steps performed below."""
+        steps = self.lifecycle.request(rec, range(prompt_len), gen_len, keys, context_keys)
+        yield from run_in_process(steps, self._perform)
+        self.records.append(rec)
 
-    def _request(self, rec: RequestRecord, prompt_len: int, gen_len: int, keys: Sequence[int] | None = None):
-        """One request. `keys` (a trace turn's block keys) looks its hits up in the shared store;
-        without them the trajectory's own stored context is what hits."""
-        env, cfg, cal = self.env, self.cfg, self.cal
-        rpc = cal.rpc_s
-        bs, kvb = cfg.block_size, cfg.kv_bytes_per_token
-        rec.t_arrive = env.now
-        rec.gen_len, rec.n_prompt = gen_len, prompt_len
-        stored = self.stored[rec.trajectory] if keys is None else self._stored_run(keys)
-        n_hit_blocks = min(stored, (prompt_len - 1) // bs)  # match_prefix: at least one token is computed
-        rec.n_hit = n_hit_blocks * bs
-        rec.n_miss = prompt_len - rec.n_hit
-        rec.hit_bytes, rec.miss_bytes = rec.n_hit * kvb, rec.n_miss * kvb
-        rid = rec.request
+    # ------------------------------------------------------------------ the lifecycle's steps
+    def _perform(self, step):
+        handler = self._handlers.get(type(step))
+        if handler is None:
+            raise TypeError(f"the simulator cannot perform {type(step).__name__}")
+        return handler(step)
+
+    def _ask_route(self, step: AskRoute):
+        env, rpc = self.env, self.cal.rpc_s
+        rid = step.request.request_id
         decided, delivered = env.event(), env.event()
         self._decided[rid], self._delivered[rid] = decided, delivered
-        yield self._lat(rpc / 2)  # the submit reaches the service
-        self._service(self.sched.on_request, Request(rid, prompt_len, rec.n_hit, rec.n_miss, env.now))
+        yield self._lat(rpc / 2)  # the submit reaches the service, which stamps its arrival
+        self._service(self.sched.on_request, replace(step.request, arrival=env.now))
         self._ring()
         yield self._lat(rpc / 2)  # its reply
         a = yield decided
         yield delivered
-        rec.t_routed = env.now
-        route = Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
-        pe, de = self.engines[a.pe_engine], self.engines[a.de_engine]
-        plan = plan_request(rid, range(prompt_len), gen_len, range(n_hit_blocks), n_hit_blocks, route, cfg,
-                            self.connector, pe.node.name, de.node.name)
-        rec.pe, rec.de, rec.path = pe.name, de.name, route.path if plan.moves_kv else "none"
-        rec.pe_node, rec.de_node = plan.pe_node, plan.de_node
-        rec.pe_hit_bytes = plan.pe_blocks * bs * kvb
-        fbb = cfg.full_block_bytes
-        held: dict[str, tuple[_Host, int]] = {}  # area -> (node, bytes) while allocated
-        for area in plan.areas:
-            h = self.hosts[area.node]
-            yield h.buffer.get(area.blocks * fbb)
-            held[area.name] = (h, area.blocks * fbb)
-        if plan.loads:
-            yield from self._read_hits(rec, plan)
-        rec.t_prefill_start = env.now
-        job = self._enqueue_prefill(rec, plan, pe, de)
-        yield job.done
-        rec.t_first_token = job.t_first_token
-        if plan.moves_kv:
-            yield self._lat(rpc)  # wait_notifs: the layers' WRITEs have landed (the pass waited for them)
-        if "pe" in held:  # the PE area goes once the layers have landed
-            h, n = held.pop("pe")
-            yield h.buffer.put(n)
-        wb = plan.writeback if plan.moves_kv else None
-        if wb is not None:
-            yield de.node.buffer.get(wb.blocks * fbb)
-            held["wb"] = (de.node, wb.blocks * fbb)
-        # decode: the prompt's KV into the DE's HBM, then the batch
-        n_wb = wb.blocks if wb is not None else 0
-        prompt_blocks = (prompt_len // bs - n_hit_blocks) if plan.moves_kv else 0  # filled by prefill
-        dec_done = env.event()
-        djob = _DecodeJob(rec, prompt_len, gen_len, dec_done, max(0, n_wb - prompt_blocks), de.node)
-        yield self._lat(rpc / 2)  # the decode command reaches the engine
-        env.process(self._decode_admit(de, djob, plan.moves_kv, prompt_blocks))
-        yield dec_done
-        rec.token_times = [job.t_first_token, *djob.times]
-        if "de" in held:
-            h, n = held.pop("de")
-            yield h.buffer.put(n)
-        if plan.moves_kv and n_wb:
-            yield self._lat(rpc)  # wait_notifs: the write-back's D2H has landed
-            yield self._lat(rpc / 2)  # flush reaches the host agent
-            yield from self._flush(de.node, n_wb * fbb)
-            yield self._lat(rpc / 2)
-            rec.writeback_bytes = n_wb * fbb
-        for h, n in held.values():
-            yield h.buffer.put(n)
-        if keys is None:
-            self.stored[rec.trajectory] = n_hit_blocks + n_wb if plan.moves_kv else \
-                (prompt_len + gen_len - 1) // bs  # oracle: as if written back, with no I/O
-        else:  # the write-back persists from the first new block on; the oracle, as if it all were
-            self.stored_keys.update(keys[:n_hit_blocks + n_wb] if plan.moves_kv else keys)
-        rec.t_done = env.now
+        return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
 
-    def _read_hits(self, rec: RequestRecord, plan):
+    def _allocate(self, step: Allocate):
+        nbytes = step.area.blocks * self.cfg.full_block_bytes
+        yield self.hosts[step.area.node].buffer.get(nbytes)
+        return nbytes
+
+    def _release(self, step: Release):
+        yield self.hosts[step.area.node].buffer.put(step.handle)
+
+    def _load_hits(self, step: LoadHits):
         """The plan's loads from the store, every side at once (a split reads both)."""
         env, fbb = self.env, self.cfg.full_block_bytes
-        rec.t_read_start = env.now
         evs = []
-        for ld in plan.loads:
+        for ld in step.plan.loads:
             done = env.event()
             evs.append(done)
             env.process(self._load_cmd(self.hosts[ld.node], len(ld.keys) * fbb, done))
         yield simpy.AllOf(env, evs)
-        rec.t_read_end = env.now
+        return step.plan.n_hit_blocks
 
-    def _enqueue_prefill(self, rec: RequestRecord, plan, pe: _Engine, de: _Engine) -> _PrefillJob:
+    def _prefill(self, step: Prefill):
         """Queue the request on its PE's prefill batcher (started on the PE's first request)."""
-        job = _PrefillJob(rec, plan, rec.n_hit, self.env.event(), de.node)
-        q = self._queues.get(pe.name)
-        if q is None:
-            q = self._queues[pe.name] = PrefillQueue(self.cfg.prefill_cost, self.cfg.quota_s)
-        q.push(rec.request, rec.n_hit, rec.n_prompt - rec.n_hit)
-        self._jobs[rec.request] = job
-        if pe.name not in self._batching:
-            self._batching.add(pe.name)
-            self.env.process(self._batcher(pe))
+        done = self.env.event()
+        job = PrefillJob(step.rec, step.plan, step.rid, step.rec.n_hit, lambda j, e: done.succeed(),
+                         io=self.hosts[step.plan.de_node])
+        if self.batcher.push(step.plan.route.pe, job):
+            self.env.process(run_in_process(self.batcher.passes_of(step.plan.route.pe), self._perform))
+        yield done
         return job
+
+    def _await_layers(self, step: AwaitLayers):
+        yield self._lat(self.cal.rpc_s)  # wait_notifs: the layers' WRITEs have landed (the pass waited for them)
+
+    def _decode(self, step: Decode):
+        """The prompt's KV into the DE's HBM, then the engine's batch."""
+        env, plan, rec = self.env, step.plan, step.rec
+        de = self.engines[plan.route.de]
+        n_wb = plan.writeback.blocks if plan.moves_kv and plan.writeback is not None else 0
+        prompt_blocks = (rec.n_prompt // self.cfg.block_size - plan.n_hit_blocks) if plan.moves_kv else 0
+        done = env.event()
+        djob = _DecodeJob(rec, rec.n_prompt, rec.gen_len, done, max(0, n_wb - prompt_blocks), de.node)
+        yield self._lat(self.cal.rpc_s / 2)  # the decode command reaches the engine
+        env.process(self._decode_admit(de, djob, plan.moves_kv, prompt_blocks))
+        yield done
+        first = plan.first_new_block
+        return DecodeOutcome(token_times=[step.job.t_first_token, *djob.times],
+                             written_blocks=range(first, first + n_wb))
+
+    def _write_back(self, step: WriteBack):
+        rpc = self.cal.rpc_s
+        yield self._lat(rpc)  # wait_notifs: the write-back's D2H has landed
+        yield self._lat(rpc / 2)  # flush reaches the host agent
+        yield from self._flush(self.hosts[step.plan.de_node], len(step.keys) * self.cfg.full_block_bytes)
+        yield self._lat(rpc / 2)
+        return [True] * len(step.keys)
+
+    def _next_instant(self, step: NextInstant):
+        yield self.env.timeout(0)
 
     def _load_cmd(self, host: _Host, nbytes: int, done: simpy.Event):
         env = self.env
@@ -540,41 +525,20 @@ class ClusterSim:
         done.succeed()
 
     # ------------------------------------------------------------------ prefill engines
-    def _batcher(self, pe: _Engine):
-        """testbed.cluster.conductor.Conductor._batcher: the PE's passes while it has work."""
-        env, cal = self.env, self.cal
-        q = self._queues[pe.name]
-        while len(q):
-            yield env.timeout(0)  # requests arriving in this same instant join the pass
-            batch = q.next_batch()
-            jobs = [self._jobs[e.request_id] for e in batch.entries]
-            loaded = len(q) > 0
-            t0 = env.now
-            yield self._lat(cal.rpc_s / 2)
-            t_end = yield from self._pass(pe, jobs, batch)
-            for j, e in zip(jobs, batch.entries):
-                if e.last:
-                    pe.load.finished(e.request_id)
-            yield self._lat(cal.rpc_s / 2)
-            share = batch.predicted_s / len(jobs) if jobs else 0.0
-            self.passes.append({"pe": pe.name, "t_start": t0, "t_end": env.now, "n": len(jobs),
-                                "chunked": not batch.entries[-1].last, "loaded": loaded,
-                                "attention_s": batch.predicted_s, "predicted_s": batch.predicted_s})
-            for j, e in zip(jobs, batch.entries):
-                r = j.rec
-                if not j.first:
-                    r.chunk_read_bytes += j.n_past * self.cfg.kv_bytes_per_token
-                r.passes += 1
-                r.attention_s += share
-                j.first = False
-                j.n_past += e.new
-                if e.last:
-                    j.t_first_token = t_end
-                    del self._jobs[e.request_id]
-                    j.done.succeed()
-        self._batching.discard(pe.name)
+    def _run_pass(self, step: RunPass):
+        """One pass's command, the pass, and its reply (the batching is dualpath.lifecycle.prefill)."""
+        pe, jobs, batch = self.engines[step.engine], step.jobs, step.batch
+        yield self._lat(self.cal.rpc_s / 2)
+        t_end = yield from self._pass(pe, jobs, batch)
+        for e in batch.entries:
+            if e.last:
+                pe.load.finished(e.request_id)
+        yield self._lat(self.cal.rpc_s / 2)
+        share = batch.predicted_s / len(jobs) if jobs else 0.0
+        return PassOutcome(t_end, [PassResult(attention_s=share) for _ in jobs],
+                           {"attention_s": batch.predicted_s, "predicted_s": batch.predicted_s})
 
-    def _pass(self, pe: _Engine, jobs: list[_PrefillJob], batch):
+    def _pass(self, pe: _Engine, jobs: list[PrefillJob], batch):
         """One forward pass on the engine (dualpath/engines/prefill.py), in simulated time."""
         env, cfg, cal = self.env, self.cfg, self.cal
         kvb, L = cfg.kv_bytes_per_token, cfg.n_layer
@@ -589,15 +553,15 @@ class ClusterSim:
             for j, e in zip(jobs, batch.entries):
                 if j.first:
                     for p in j.plan.past:  # where each part of the past is (plan.past)
-                        src = pe.node if p.area == "pe" else j.de_host
+                        src = pe.node if p.area == "pe" else j.io
                         reads.append(([src.host_tx, pe.cnic_rx], p.n * kvb))
                     out = (j.plan.forward_past + e.new) * kvb
                 elif j.n_past:  # a later chunk reads its whole past back from the DE buffer
-                    reads.append(([j.de_host.host_tx, pe.cnic_rx], j.n_past * kvb))
+                    reads.append(([j.io.host_tx, pe.cnic_rx], j.n_past * kvb))
                     out = e.new * kvb
                 else:
                     out = e.new * kvb
-                writes.append(([pe.cnic_tx, j.de_host.host_rx], out))
+                writes.append(([pe.cnic_tx, j.io.host_rx], out))
         t_c = env.now
         if moves and cal.exposed_io:
             # The testbed's engines move a transfer only while they wait on it (NIXL over UCX/TCP
@@ -688,9 +652,16 @@ class ClusterSim:
         dec = self.decoders.values()
         n_req = max(1, len(recs))
         return SimResult(
-            self.mode, recs, self.t0, t1 - self.t0, self.passes,
+            self.mode, recs, self.t0, t1 - self.t0, self.batcher.passes,
             sum(d.segments for d in dec), sum(d.steps for d in dec), sum(d.step_tokens for d in dec),
             links, {"decision_s": self.sched_s, "calls": self.sched_calls,
                     "us_per_request": self.sched_s / n_req * 1e6},
             [by_traj[t] - arr[t] for t in by_traj], self.net.net.events, wall_s,
             {"allocations": self.net.net.allocations, "allocated_flows": self.net.net.allocated_flows})
+
+
+def _context_keys(trajectory: int, shared_blocks: int, n_blocks: int) -> list[int]:
+    """Keys of a generated agent's first `n_blocks` context blocks: the shared system prompt's
+    Full Blocks are every agent's, the rest its own (its turns append to one context)."""
+    own = (trajectory + 1) << 32
+    return [b if b < shared_blocks else own | b for b in range(n_blocks)]

@@ -111,17 +111,6 @@ class _Engine:
         self.load = EngineLoad(cfg.hbm_tokens if role is Role.DECODE else 0)
 
 
-class _PrefillJob:
-    __slots__ = ("rec", "plan", "n_past", "first", "done", "t_first_token", "de_host")
-
-    def __init__(self, rec: RequestRecord, plan, n_past: int, done, de_host: _Host | None):
-        self.rec, self.plan, self.n_past = rec, plan, n_past
-        self.first = True
-        self.done = done
-        self.t_first_token = 0.0
-        self.de_host = de_host
-
-
 class _DecodeJob:
     __slots__ = ("rec", "ctx", "left", "times", "done", "wb_blocks", "node")
 

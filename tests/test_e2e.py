@@ -102,7 +102,7 @@ def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_clea
 
         def killer():  # SIGKILL while the victim has decodes in flight (READ, decode, WRITE)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (decodes._waiting and co.stored):
+            while time.monotonic() < deadline and not (decodes._waiting and co.index.stored):
                 time.sleep(0.001)
             victim.proc.kill()
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dualpath.kv.plan import Route, match_prefix, plan_request
+from dualpath.kv.plan import Route, plan_request
+from dualpath.lifecycle.index import StoreIndex
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.store.keys import chain_keys
 
@@ -17,13 +18,17 @@ def _plan(path: str, pe_blocks: int, connector: str = "layerwise", n_hit: int = 
                         "p0", "d0")
 
 
+def _hits(prompt: list[int], stored, ns: bytes = NS) -> int:
+    return StoreIndex(stored).match(chain_keys(prompt, 16, namespace=ns), len(prompt), 16)
+
+
 def test_hits_are_the_stored_leading_blocks_and_one_token_always_misses():
-    assert match_prefix(PROMPT, set(KEYS[:3]), G, NS) == (KEYS, 3)
-    assert match_prefix(PROMPT, {KEYS[0], KEYS[2]}, G, NS)[1] == 1  # a gap ends the prefix
-    assert match_prefix(PROMPT, set(KEYS), G, NS)[1] == 6
+    assert _hits(PROMPT, KEYS[:3]) == 3
+    assert _hits(PROMPT, {KEYS[0], KEYS[2]}) == 1  # a gap ends the prefix
+    assert _hits(PROMPT, KEYS) == 6
     exact = list(range(4, 4 + 96))  # 6 whole blocks: the last must be recomputed for its logits
-    assert match_prefix(exact, set(chain_keys(exact, 16, namespace=NS)), G, NS)[1] == 5
-    assert match_prefix(PROMPT, set(KEYS), G, b"other")[1] == 0  # another run's blocks never hit
+    assert _hits(exact, chain_keys(exact, 16, namespace=NS)) == 5
+    assert _hits(PROMPT, KEYS, b"other") == 0  # another run's blocks never hit
 
 
 def test_pe_path_reads_every_hit_into_the_pe_buffer_and_forwards_it():

@@ -1,10 +1,10 @@
 """One request's KV plan, as pure code: which blocks hit, where they are read to, what moves.
 
-The conductor executes plans; a simulator can drive the same planning without any I/O. Given
-the prompt, what the store holds and the scheduler's route (engines, read path, how many hit
-blocks each side reads), the plan names every buffer area the request needs, every load from
-the store, where each part of the past KV will be when the PE reads it, how many past rows the PE
-forwards to the DE, and which Full Blocks decode will write back.
+The lifecycle (dualpath.lifecycle.request) plans every request this way, for the testbed and the
+simulator alike. Given the prompt, what the store holds and the scheduler's route (engines, read
+path, how many hit blocks each side reads), the plan names every buffer area the request needs,
+every load from the store, where each part of the past KV will be when the PE reads it, how many
+past rows the PE forwards to the DE, and which Full Blocks decode will write back.
 
 Terms (the README's glossary):
 - past tokens: tokens whose KV exists before a pass (`n_past`); for a turn, the stored hits;
@@ -16,11 +16,9 @@ Terms (the README's glossary):
 """
 from __future__ import annotations
 
-from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dualpath.store.keys import chain_keys
 
 if TYPE_CHECKING:  # annotations only: planning needs block_size and blocks_spanned, not torch
     from dualpath.kv.layouts import BlockGeometry
@@ -110,19 +108,6 @@ class RequestPlan:
 
     def writeback_notif(self, block: int) -> str:
         return f"{self.request}/wb{block}"
-
-
-def match_prefix(prompt: list[int], stored: Container[str], geom: BlockGeometry,
-                 namespace: bytes) -> tuple[list[str], int]:
-    """The prompt's chained block keys and how many leading Full Blocks the store holds. At least
-    one token is always a miss: the last prompt token's logits give the first output token."""
-    keys = chain_keys(prompt, geom.block_size, namespace=namespace)
-    n = 0
-    for k in keys[: (len(prompt) - 1) // geom.block_size]:
-        if k not in stored:
-            break
-        n += 1
-    return keys, n
 
 
 def plan_request(request: str, prompt: list[int], gen_len: int, keys: list[str], n_hit_blocks: int,

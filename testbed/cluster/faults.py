@@ -397,7 +397,7 @@ class Injector:
             wait = t_first + f.spec.at_s * self.k - self.co._now()
             if wait > 0:
                 await asyncio.sleep(wait)
-            f.acked_before = frozenset(self.co.persisted)
+            f.acked_before = frozenset(self.co.index.persisted)
             f.t_injected = self.co._now()
             try:
                 await self._inject(f, random.Random(f"{self.seed}/{i}/{f.label}"))
