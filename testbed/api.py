@@ -35,7 +35,7 @@ from testbed.fabric import rundir
 from testbed.fabric.access import (TestbedError, class_argv, enable_class_marking, fabric_record, find_endpoint,
                                    nic_of, node_argv, node_env, refuse_leftovers, short_cmd, ucx_env)
 from testbed.paths import REPO
-from testbed.topology import resolve_topology
+from testbed.topology import Topology, resolve_topology
 
 
 _live: list["Testbed"] = []  # owned testbeds still up, for the atexit safety net
@@ -53,22 +53,31 @@ class Testbed:
     """A live emulated cluster: its fabric and, with `services=True`, its node processes.
 
     Args:
-        topology: a topology YAML path or a shipped topology's name ("1p1d").
+        topology: a topology YAML path, a shipped topology's name ("1p1d"), or a loaded Topology.
         services: also start the store servers, host agents and engines (wired to each other).
         checkpoint: the model the engines load (default: the tiny demo model).
         transport: "tcp", or "rdma" (fails where the kernel has none, never falls back).
+        shares: more folders the nodes read and write (shared into docker hosts).
+        owner: what `dualpath status` calls its owner ("api"; `dualpath run` says "run").
     """
 
     __test__ = False  # not a pytest test class, whatever module imports it
 
-    def __init__(self, topology: str | os.PathLike[str] | None = None, *, services: bool = False,
-                 checkpoint: str | os.PathLike[str] | None = None, transport: str = "tcp"):
+    def __init__(self, topology: str | os.PathLike[str] | Topology | None = None, *, services: bool = False,
+                 checkpoint: str | os.PathLike[str] | None = None, transport: str = "tcp",
+                 shares: Sequence[os.PathLike[str]] = (), owner: str = "api"):
         from testbed.topology import load_topology
 
-        self.topology_path = resolve_topology(topology).resolve()
-        self.topo = load_topology(self.topology_path)  # TopologyError: one line, before anything is made
+        if isinstance(topology, Topology):  # loaded already, perhaps with a command's overrides
+            self.topo = topology
+            source = Path(topology.source)
+            self.topology_path = source.resolve() if source.is_file() else None
+        else:
+            self.topology_path = resolve_topology(topology).resolve()
+            self.topo = load_topology(self.topology_path)  # TopologyError: one line, before anything is made
         if transport not in ("tcp", "rdma"):
             raise TestbedError(f"transport {transport!r} is not tcp or rdma")
+        self.shares = tuple(Path(p) for p in shares)  # more folders the nodes read and write (docker hosts)
         self.services = services
         self.checkpoint = Path(checkpoint) if checkpoint else None
         self.transport = transport
@@ -81,7 +90,7 @@ class Testbed:
         self._owned = True
         self._claimed = False
         self._old_sigterm: Any = None
-        self.owner_kind = "api"  # the detached runner says "detached": `dualpath down` may stop it
+        self.owner_kind = owner  # "detached": `dualpath down` may stop it; "run": a foreground `dualpath run`
 
     # -- lifecycle ------------------------------------------------------------------------------
     def up(self) -> "Testbed":
@@ -116,7 +125,7 @@ class Testbed:
         self._catch_sigterm()
         t0 = time.monotonic()
         # with hosts: docker, the node processes' run directory and checkpoint are shared into the containers
-        shares = (self.run_dir, *((self._checkpoint(),) if self.services else ()))
+        shares = (self.run_dir, *self.shares, *((self._checkpoint(),) if self.services else ()))
         self.fabric = Fabric(self.topo, self.transport, shares)  # rdma: an rxe device per namespace
         self.fabric.up()
         # the root namespace's own addresses: the conductor's, and one through which a store client

@@ -444,6 +444,7 @@ def test_fuzz_cli_arguments(tmp_path, tiny_ckpt, capsys, monkeypatch):
 
     monkeypatch.setattr("testbed.cli.shared._fabric", lambda _t: pytest.fail("would bring a topology up"))
     monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", lambda *_a: pytest.fail("would bring a topology up"))
+    monkeypatch.setattr(cli, "_testbed_fabric", lambda *_a: pytest.fail("would bring a topology up"))
     rng = random.Random(SEED + 4)
     topo = REPO / "topologies" / "1p1d.yaml"
     good_out = tmp_path / "out"

@@ -39,6 +39,7 @@ def no_bring_up(monkeypatch):
 
     monkeypatch.setattr(cli_shared, "_fabric", guard)
     monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", guard)
+    monkeypatch.setattr(cli, "_testbed_fabric", guard)
 
 
 def refused(capsys, *args, words: tuple[str, ...], fix: bool = True) -> str:
@@ -119,6 +120,7 @@ def test_results_are_written_before_the_scratch_folder_goes(monkeypatch, ckpt, t
     monkeypatch.setattr(cleanup, "find_leftovers", lambda *a, **k: cleanup.Leftovers())
     monkeypatch.setattr(cli_shared, "_fabric", fake_fabric)
     monkeypatch.setattr(experiment, "claimed_fabric", fake_fabric)  # no namespaces, no run directory
+    monkeypatch.setattr(cli, "_testbed_fabric", fake_fabric)
     monkeypatch.setattr(experiment, "run_e2e", fake_run)
     monkeypatch.setattr(experiment, "summarize", lambda *a: {"modes": {}})
     monkeypatch.setattr(experiment, "write_results", failing_write)

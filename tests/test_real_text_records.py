@@ -33,6 +33,7 @@ def no_bring_up(monkeypatch):
 
     monkeypatch.setattr("testbed.cli.shared._fabric", guard)
     monkeypatch.setattr("testbed.experiments.ablation.claimed_fabric", lambda *_a: guard(None))
+    monkeypatch.setattr("testbed.cli.run._testbed_fabric", lambda *_a: guard(None))
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -328,7 +329,8 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     if plugin is not None:
         extra["connector"] = plugin[1]
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
-                            faults=tuple(specs), device=device, connector=plugin[0] if plugin else None)
+                            faults=tuple(specs), device=device, connector=plugin[0] if plugin else None,
+                            bring_up=_testbed_fabric)
     for line in e2e_lines(summary):
         typer.echo(line)
     if "rdma" in summary:
@@ -338,6 +340,15 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
                f"the whole command {time.monotonic() - t_start:.0f} s)")
     raise typer.Exit(1 if failed_checks(summary) else 0)  # e2e_lines printed them
+
+
+@contextmanager
+def _testbed_fabric(topo, transport: str, shares) -> Iterator:
+    """`dualpath run`'s fabric, brought up through the public API: a fabric-only Testbed."""
+    from testbed.api import Testbed
+
+    with Testbed(topo, transport=transport, shares=shares, owner="run") as tb:
+        yield tb.fabric
 
 
 def _faults(t, texts: list[str]) -> list:

@@ -351,9 +351,11 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
                   quota_s: float = 0.3, extra: dict[str, Any] | None = None,
                   faults: tuple[FaultSpec, ...] = (), device: str = "cpu",
-                  connector: ConnectorRef | None = None) -> dict[str, Any]:
-    """One `dualpath run`: bring the topology up, run every mode (each with `faults`, seeded by
-    the workload's seed), tear down, and write
+                  connector: ConnectorRef | None = None, bring_up: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """One `dualpath run`: bring the topology up (`bring_up(topo, transport, shares)`, a context
+    manager giving the fabric: `dualpath run` passes a Testbed's; by default
+    testbed.fabric.access.claimed_fabric), run every mode (each with `faults`, seeded by the
+    workload's seed), tear down, and write
     run_dir/{summary.json, records.jsonl, passes.jsonl, steps.jsonl, links.jsonl, report.md}.
     Returns the summary. The scratch folder (logs, the store's disk) is removed only once the
     results are written, so a failed run keeps its logs."""
@@ -368,7 +370,7 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     shares = (scratch, checkpoint if checkpoint.is_dir() else checkpoint.parent,  # what nodes read and write
               *((connector.path,) if connector is not None and not connector.path.is_relative_to(REPO) else ()))
     # (a plug-in outside the repository: docker nodes, which see the repository, import it from there)
-    with claimed_fabric(topo, fabric_transport(transport), shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
+    with (bring_up or claimed_fabric)(topo, fabric_transport(transport), shares) as fab:  # the buffers' budgets come from the topology (memory is touched only as used)
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
