@@ -5,10 +5,11 @@ What runs is the testbed's own code where the testbed has it:
     group leaders' loop of dualpath/nodes/leader.py (report every member, pull, hand the
     assignments on, wait for the doorbell or the heartbeat) and the service's doorbell rule
     (dualpath.scheduler.service.Doorbell); engines keep `dualpath.nodes.leader.EngineLoad`;
-  * the conductor's request sequence (testbed/cluster/conductor.py): route, buffer areas, loads, prefill,
-    the layers' notifications, decode, write-back; the plan is `dualpath.kv.plan.plan_request`;
-  * the PEs' passes are packed by `dualpath.scheduler.batching.PrefillQueue` under the compute
-    quota, chunking as the conductor does; their windows come from the target's cost model;
+  * the request lifecycle (dualpath.lifecycle), the testbed conductor's own: route, buffer areas,
+    loads, prefill, the layers' notifications, decode, write-back, what the store then holds; its
+    steps take simulated time in steps.py;
+  * the PEs' passes are packed by the lifecycle's PrefillBatcher under the compute quota, chunking
+    as on the testbed; their windows come from the target's cost model;
   * decode engines batch every ready request (dualpath/engines/decode.py) and a step lasts the
     target's `DecodeCostModel.step_cost` of its batch;
   * every byte moves as a flow over the hops of `dualpath.accounting` (PE and DE path, split,
@@ -36,18 +37,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
 
-from dualpath.kv.plan import Route
-from dualpath.lifecycle.drive import run_in_process
 from dualpath.lifecycle.index import StoreIndex
 from dualpath.lifecycle.prefill import PrefillBatcher, PrefillJob
 from dualpath.lifecycle.request import RequestLifecycle
-from dualpath.lifecycle.steps import (Allocate, AskRoute, AwaitLayers, Decode, DecodeOutcome, LoadHits, NextInstant,
-                                      PassOutcome, PassResult, Prefill, Release, RunPass, WriteBack)
 from dualpath.nodes.leader import HEARTBEAT_S
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
@@ -58,7 +55,9 @@ from dualpath.lifecycle.record import RequestRecord
 from .calibration import Calibration
 from .flows import Link
 from .network import SimNetwork
+from simulator.agents import TrajectorySpec
 from simulator.parts import _Bell, _DecodeEngine, _DecodeJob, _Engine, _Host, _HostCpu, _Jitter
+from simulator.steps import LifecycleSteps
 
 
 @dataclass(frozen=True)
@@ -104,33 +103,6 @@ class SimConfig:
         return -(-n_tokens // self.block_size)
 
 
-@dataclass(frozen=True)
-class TraceTurn:
-    """One turn of a replayed trace agent (dualpath.workload.trace): its own prompt, not the
-    previous context plus an append, so its hits come from a store shared by every agent."""
-
-    prompt_len: int
-    gen_len: int
-    keys: tuple[int, ...]  # chained keys of the prompt's Full Blocks (equal exactly where prefixes are)
-    at_s: float | None = None  # earliest start after the agent's arrival; None: after the previous turn
-
-
-@dataclass
-class TrajectorySpec:
-    """One agent: its shared system prompt, its turns' (append, gen) lengths, when it arrives.
-    With `trace_turns` it replays those instead (`turns` then only counts them: (prompt, gen))."""
-
-    id: int
-    system_prompt_len: int
-    turns: Sequence[tuple[int, int]]
-    arrival_s: float = 0.0  # simulation seconds after the start (every group's leader has reported)
-    trace_turns: Sequence[TraceTurn] | None = None
-
-    @property
-    def n_requests(self) -> int:
-        return len(self.trace_turns) if self.trace_turns is not None else len(self.turns)
-
-
 @dataclass
 class SimResult:
     mode: str
@@ -149,7 +121,7 @@ class SimResult:
     network: dict[str, Any]
 
 
-class ClusterSim:
+class ClusterSim(LifecycleSteps):
     """One mode of one cluster over one workload; `run()` returns a SimResult."""
 
     def __init__(self, cfg: SimConfig, mode: str, connector: str, path_policy: str,
@@ -205,10 +177,6 @@ class ClusterSim:
         self.batcher = PrefillBatcher(cfg.prefill_cost, cfg.quota_s, cfg.kv_bytes_per_token, lambda: self.env.now)
         self.lifecycle = RequestLifecycle(cfg, connector, self.index, lambda e: self.engines[e].node.name,
                                           lambda: self.env.now)
-        self._handlers = {AskRoute: self._ask_route, Allocate: self._allocate, Release: self._release,
-                          LoadHits: self._load_hits, Prefill: self._prefill, AwaitLayers: self._await_layers,
-                          Decode: self._decode, WriteBack: self._write_back, NextInstant: self._next_instant,
-                          RunPass: self._run_pass}
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
 
@@ -397,147 +365,6 @@ class ClusterSim:
         flows = [self._flow(path, nbytes * share) for path, share in self._storage_paths(host.snic_tx, False)]
         yield simpy.AllOf(env, flows)
 
-    # ------------------------------------------------------------------ the agents
-    def _trajectory(self, tr: TrajectorySpec):
-        env = self.env
-        if tr.arrival_s > 0:
-            yield env.timeout(tr.arrival_s)
-        bs = self.cfg.block_size
-        shared = tr.system_prompt_len // bs
-        self.index.add(_context_keys(tr.id, shared, shared), persisted=True)  # the warm-up's system prompt
-
-        def context_keys(rec: RequestRecord) -> list[int]:
-            return _context_keys(tr.id, shared, (rec.n_prompt + rec.gen_len - 1) // bs)
-
-        ctx = tr.system_prompt_len
-        for t, (append, gen) in enumerate(tr.turns):
-            prompt_len = ctx + append
-            rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
-            yield from self._request(rec, prompt_len, gen, _context_keys(tr.id, shared, prompt_len // bs),
-                                     context_keys)
-            ctx = prompt_len + gen
-
-    def _trace_agent(self, tr: TrajectorySpec):
-        """A replayed trace agent: each turn starts at its trace time, but never before the previous
-        turn's answer (an agent waits for its own output). Its turns' keys are the trace's own, so
-        agents share the store where their prompts share prefixes."""
-        env = self.env
-        if tr.arrival_s > 0:
-            yield env.timeout(tr.arrival_s)
-        arrived = env.now
-        for t, turn in enumerate(tr.trace_turns):
-            if turn.at_s is not None and arrived + turn.at_s > env.now:
-                yield env.timeout(arrived + turn.at_s - env.now)
-            rec = RequestRecord(f"{self.mode}-t{tr.id}-r{t}", tr.id, t, self.mode)
-            yield from self._request(rec, turn.prompt_len, turn.gen_len, turn.keys, lambda r, k=turn.keys: k)
-
-    def _request(self, rec: RequestRecord, prompt_len: int, gen_len: int, keys: Sequence[int], context_keys):
-        """One request: the lifecycle (dualpath.lifecycle.request), its steps performed below."""
-        steps = self.lifecycle.request(rec, range(prompt_len), gen_len, keys, context_keys)
-        yield from run_in_process(steps, self._perform)
-        self.records.append(rec)
-
-    # ------------------------------------------------------------------ the lifecycle's steps
-    def _perform(self, step):
-        handler = self._handlers.get(type(step))
-        if handler is None:
-            raise TypeError(f"the simulator cannot perform {type(step).__name__}")
-        return handler(step)
-
-    def _ask_route(self, step: AskRoute):
-        env, rpc = self.env, self.cal.rpc_s
-        rid = step.request.request_id
-        decided, delivered = env.event(), env.event()
-        self._decided[rid], self._delivered[rid] = decided, delivered
-        yield self._lat(rpc / 2)  # the submit reaches the service, which stamps its arrival
-        self._service(self.sched.on_request, replace(step.request, arrival=env.now))
-        self._ring()
-        yield self._lat(rpc / 2)  # its reply
-        a = yield decided
-        yield delivered
-        return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks)
-
-    def _allocate(self, step: Allocate):
-        nbytes = step.area.blocks * self.cfg.full_block_bytes
-        yield self.hosts[step.area.node].buffer.get(nbytes)
-        return nbytes
-
-    def _release(self, step: Release):
-        yield self.hosts[step.area.node].buffer.put(step.handle)
-
-    def _load_hits(self, step: LoadHits):
-        """The plan's loads from the store, every side at once (a split reads both)."""
-        env, fbb = self.env, self.cfg.full_block_bytes
-        evs = []
-        for ld in step.plan.loads:
-            done = env.event()
-            evs.append(done)
-            env.process(self._load_cmd(self.hosts[ld.node], len(ld.keys) * fbb, done))
-        yield simpy.AllOf(env, evs)
-        return step.plan.n_hit_blocks
-
-    def _prefill(self, step: Prefill):
-        """Queue the request on its PE's prefill batcher (started on the PE's first request)."""
-        done = self.env.event()
-        job = PrefillJob(step.rec, step.plan, step.rid, step.rec.n_hit, lambda j, e: done.succeed(),
-                         io=self.hosts[step.plan.de_node])
-        if self.batcher.push(step.plan.route.pe, job):
-            self.env.process(run_in_process(self.batcher.passes_of(step.plan.route.pe), self._perform))
-        yield done
-        return job
-
-    def _await_layers(self, step: AwaitLayers):
-        yield self._lat(self.cal.rpc_s)  # wait_notifs: the layers' WRITEs have landed (the pass waited for them)
-
-    def _decode(self, step: Decode):
-        """The prompt's KV into the DE's HBM, then the engine's batch."""
-        env, plan, rec = self.env, step.plan, step.rec
-        de = self.engines[plan.route.de]
-        n_wb = plan.writeback.blocks if plan.moves_kv and plan.writeback is not None else 0
-        prompt_blocks = (rec.n_prompt // self.cfg.block_size - plan.n_hit_blocks) if plan.moves_kv else 0
-        done = env.event()
-        djob = _DecodeJob(rec, rec.n_prompt, rec.gen_len, done, max(0, n_wb - prompt_blocks), de.node)
-        yield self._lat(self.cal.rpc_s / 2)  # the decode command reaches the engine
-        env.process(self._decode_admit(de, djob, plan.moves_kv, prompt_blocks))
-        yield done
-        first = plan.first_new_block
-        return DecodeOutcome(token_times=[step.job.t_first_token, *djob.times],
-                             written_blocks=range(first, first + n_wb))
-
-    def _write_back(self, step: WriteBack):
-        rpc = self.cal.rpc_s
-        yield self._lat(rpc)  # wait_notifs: the write-back's D2H has landed
-        yield self._lat(rpc / 2)  # flush reaches the host agent
-        yield from self._flush(self.hosts[step.plan.de_node], len(step.keys) * self.cfg.full_block_bytes)
-        yield self._lat(rpc / 2)
-        return [True] * len(step.keys)
-
-    def _next_instant(self, step: NextInstant):
-        yield self.env.timeout(0)
-
-    def _load_cmd(self, host: _Host, nbytes: int, done: simpy.Event):
-        env = self.env
-        yield self._lat(self.cal.rpc_s / 2)
-        landed = env.event()
-        self._load(host, nbytes, landed)
-        yield landed
-        yield self._lat(self.cal.rpc_s / 2)
-        done.succeed()
-
-    # ------------------------------------------------------------------ prefill engines
-    def _run_pass(self, step: RunPass):
-        """One pass's command, the pass, and its reply (the batching is dualpath.lifecycle.prefill)."""
-        pe, jobs, batch = self.engines[step.engine], step.jobs, step.batch
-        yield self._lat(self.cal.rpc_s / 2)
-        t_end = yield from self._pass(pe, jobs, batch)
-        for e in batch.entries:
-            if e.last:
-                pe.load.finished(e.request_id)
-        yield self._lat(self.cal.rpc_s / 2)
-        share = batch.predicted_s / len(jobs) if jobs else 0.0
-        return PassOutcome(t_end, [PassResult(attention_s=share) for _ in jobs],
-                           {"attention_s": batch.predicted_s, "predicted_s": batch.predicted_s})
-
     def _pass(self, pe: _Engine, jobs: list[PrefillJob], batch):
         """One forward pass on the engine (dualpath/engines/prefill.py), in simulated time."""
         env, cfg, cal = self.env, self.cfg, self.cal
@@ -658,10 +485,3 @@ class ClusterSim:
                     "us_per_request": self.sched_s / n_req * 1e6},
             [by_traj[t] - arr[t] for t in by_traj], self.net.net.events, wall_s,
             {"allocations": self.net.net.allocations, "allocated_flows": self.net.net.allocated_flows})
-
-
-def _context_keys(trajectory: int, shared_blocks: int, n_blocks: int) -> list[int]:
-    """Keys of a generated agent's first `n_blocks` context blocks: the shared system prompt's
-    Full Blocks are every agent's, the rest its own (its turns append to one context)."""
-    own = (trajectory + 1) << 32
-    return [b if b < shared_blocks else own | b for b in range(n_blocks)]

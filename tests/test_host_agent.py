@@ -67,3 +67,20 @@ def test_arguments_are_taken_as_sent(host):
     agent, _ = host
     with pytest.raises(Exception, match="valid integer"):
         agent.load(["k"], "0")
+
+
+def test_the_agent_owns_its_buffer_areas_and_an_earlier_epochs_free_frees_nothing(host):
+    agent, _ = host
+    a = agent.alloc(3 * FB)
+    b = agent.alloc(5 * FB)
+    assert (a["offset"], b["offset"]) == (0, 3 * FB) and a["epoch"] == agent.epoch
+    full = agent.alloc(FB)  # 8 blocks, all taken: no room, said, not raised
+    assert full["offset"] is None and "no room" in full["error"]
+    assert agent.free(a["offset"], "another-process")["freed"] is False  # a restarted agent's
+    assert agent.alloc(FB)["offset"] is None  # ... freed nothing
+    assert agent.free(a["offset"], agent.epoch)["freed"] is True
+    assert agent.alloc(2 * FB)["offset"] == 0
+    with pytest.raises(ValueError, match="no area of this buffer starts at 64"):
+        agent.free(64, agent.epoch)
+    with pytest.raises(ValueError, match="field 'nbytes'"):
+        agent.alloc(9 * FB)

@@ -164,6 +164,10 @@ def test_a_host_agent_refuses_bad_arguments_and_keeps_serving(host_agent):
             ("flush", {"keys": KEYS[:1], "offset": "0", "crcs": [1], "timeout_s": 1.0}, "offset"),
             ("flush", {"keys": KEYS[:1], "offset": True, "crcs": [1], "timeout_s": 1.0}, "offset"),
             ("flush", {"keys": KEYS[:1], "offset": 0, "crcs": [True], "timeout_s": 1.0}, "crcs.0"),
+            # the buffer's allocator: no area larger than the buffer, none of a foreign offset
+            ("alloc", {"nbytes": BUF + 1}, "nbytes"),
+            ("alloc", {"nbytes": "64"}, "nbytes"),
+            ("free", {"offset": 4096, "epoch": 7}, "epoch"),
         ]
         for i, (cmd, args, field) in enumerate(bad):
             t0 = time.monotonic()

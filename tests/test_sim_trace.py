@@ -11,7 +11,8 @@ import pytest
 
 from dualpath.workload.trace import TraceSpec, load_trace
 from simulator.calibration import UNCALIBRATED
-from simulator.cluster import ClusterSim, TraceTurn, TrajectorySpec
+from simulator.agents import TraceTurn, TrajectorySpec
+from simulator.cluster import ClusterSim
 from testbed.cluster.modes import PATH_POLICY, connector_of
 from testbed.sim.drive import RUN_BLOCK_TOKENS, run_sim_to_folder, sim_config, simulate, trace_summary, trace_trajectories
 from testbed.topology import load_topology

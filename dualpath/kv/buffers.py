@@ -51,5 +51,9 @@ class ByteAllocator:
                 merged.append((o, s))
         self._free = merged
 
+    def holds(self, off: int) -> bool:
+        """An area starts at `off` (alloc gave it and it is not freed yet)."""
+        return off in self._used
+
     def reset_peak(self) -> None:
         self.peak = self.in_use

@@ -3,10 +3,11 @@
 It runs in the node's host namespace. Engines READ from and WRITE into its
 buffer one-sided; it stays passive for those (NIXL's progress thread serves
 them) and only confirms, on request, that a peer's notifications have arrived.
+It owns its buffer's allocator: a request's areas come from `alloc` and go back with `free`.
 It serves the storage side: `load` (store -> buffer over the SNIC) on its read
 queue (read_queue.py), and on its jobs socket, many at once, `flush` (buffer ->
-store, for decode write-back) and `wait_notifs` (until a peer's WRITEs have
-landed). Its control socket keeps the short commands.
+store, for decode write-back), `wait_notifs` (until a peer's WRITEs have
+landed), `alloc` and `free`. Its control socket keeps the wiring and the probes.
 
 Faults: it watches its SNIC (the link's operational state, every SNIC_POLL_S). While the link
 is down its read queue reports the SNIC down (the scheduler then reads by the other path), store
@@ -18,6 +19,7 @@ conductor recomputes from the first of them; a flush says which blocks were stor
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from dualpath.nodes.common import base_args, exit_on_sigterm, make_agent, run_au
 from dualpath.nodes.common import freeze_startup_heap, jobs_port, load_port
 from dualpath.nodes.leader import serve_state
 from dualpath.nodes.read_queue import ReadQueueServer
+from dualpath.kv.buffers import ByteAllocator, OutOfSpace
 from dualpath.kv.check import stale
 from dualpath.control import RouterServer, RpcServer, short
 from dualpath.store.client import StoreClient
@@ -170,11 +173,40 @@ class HostAgent:
     """A node's host agent: its DRAM buffer, the store clients that fill it and persist from it,
     and the notifications of the WRITEs into it. Its methods are the control calls it serves."""
 
-    def __init__(self, buf, block_bytes: int, store, writes, notifs: NotificationWaiter):
+    def __init__(self, buf, block_bytes: int, store, writes, notifs: NotificationWaiter, name: str = "host"):
         self.buf, self.view, self.fb = buf, memoryview(buf), block_bytes
         # write-back has its own client: a flush must not wait behind a long read on the same
         # connection (both share the SNIC, as two flows would)
         self.store, self.writes, self.notifs = store, writes, notifs
+        self.space = ByteAllocator(len(buf), f"{name} DRAM buffer", align=64)
+        self._space_lock = threading.Lock()  # alloc and free run on the jobs socket's workers
+        # Names this process's areas: an area from before a restart (another epoch) went with it,
+        # and freeing its offset must not free whatever now sits there.
+        self.epoch = f"{os.getpid()}-{time.monotonic_ns()}"
+
+    @strict
+    def alloc(self, nbytes: int) -> dict:
+        """An area of the buffer for a request: its offset and this agent's epoch, or offset
+        None while the buffer has no room (the caller waits for a free and asks again)."""
+        if not 0 < nbytes <= len(self.buf):
+            raise ValueError(f"alloc: field 'nbytes' must be in [1, {len(self.buf)}] (the buffer's bytes), "
+                             f"got {nbytes}")
+        with self._space_lock:
+            try:
+                return {"offset": self.space.alloc(nbytes), "epoch": self.epoch}
+            except OutOfSpace as e:
+                return {"offset": None, "epoch": self.epoch, "error": str(e)}
+
+    @strict
+    def free(self, offset: int, epoch: str) -> dict:
+        """Give an area back; one of an earlier epoch is gone already (`freed` False)."""
+        if epoch != self.epoch:
+            return {"freed": False}
+        with self._space_lock:
+            if not self.space.holds(offset):
+                raise ValueError(f"free: field 'offset': no area of this buffer starts at {offset}")
+            self.space.free(offset)
+        return {"freed": True}
 
     def check_load(self, keys: list[str], offset: int) -> None:
         check_blocks("load", keys, offset, len(self.buf), self.fb)
@@ -257,7 +289,7 @@ def main() -> None:
     link = LinkWatch(args.snic, on_down=lambda: [c.interrupt() for c in clients])
     store, writes = open_store(args, buf, link), open_store(args, buf, link)
     clients += [store, writes]
-    host = HostAgent(buf, args.block_bytes, store, writes, NotificationWaiter(agent))
+    host = HostAgent(buf, args.block_bytes, store, writes, NotificationWaiter(agent), args.name)
     # Loads queue here, on the node, where read_q can count them all; the group leaders read
     # read_q from the state socket (the control socket may be busy with a long flush).
     reads = ReadQueueServer(f"tcp://{args.ip}:{load_port(args.control_port)}", args.block_bytes, host.load,
@@ -269,9 +301,11 @@ def main() -> None:
         """The loads read since the last call, as [start, end, bytes] (when the SNIC was busy)."""
         return {"loads": [list(x) for x in reads.drain_log()]}
 
-    # Waits and write-backs of many requests run at once (each blocks only its own request)
+    # Waits and write-backs of many requests run at once (each blocks only its own request), and
+    # so do the requests' allocations, which must not queue behind them
     jobs = RouterServer(f"tcp://{args.ip}:{jobs_port(args.control_port)}",
-                        {"flush": host.flush, "wait_notifs": host.wait_notifs}, workers=JOB_WORKERS, name="host-jobs",
+                        {"flush": host.flush, "wait_notifs": host.wait_notifs, "alloc": host.alloc, "free": host.free},
+                        workers=JOB_WORKERS, name="host-jobs",
                         auth=auth).start()
     server = RpcServer(f"tcp://{args.ip}:{args.control_port}",
                        {**wiring_handlers(agent), "contains": host.contains, "read_log": read_log}, auth=auth)

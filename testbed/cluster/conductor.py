@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from dualpath.control import ControlError
-from dualpath.kv.buffers import ByteAllocator, OutOfSpace
+from dualpath.kv.buffers import OutOfSpace
 from dualpath.kv.connector import PastRead
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.kv.plan import Load, Route
@@ -69,9 +69,8 @@ class Conductor:
         self.on_record = on_record or (lambda r: None)
         self.index = StoreIndex()  # blocks a request may count as hits, and those the store acknowledged
         self.faults = faults if faults is not None else FaultLog()
-        self.buffers = {n: ByteAllocator(cluster.buffer_bytes, f"{n} DRAM buffer", align=64)
-                        for n, p in cluster.procs.items() if p.role == "host"}
-        self._space = asyncio.Condition()
+        self._space = asyncio.Condition()  # notified when an area is freed (counted per node in _frees)
+        self._frees: dict[str, int] = {}
         self.router = router
         self.connector = connector_of(mode)
         self.t0 = time.monotonic()
@@ -128,25 +127,36 @@ class Conductor:
             self.faults.avoided(rec, route.avoided, self._now())
         return route
 
-    async def _allocate(self, step: Allocate) -> int:
-        """Space for an area in its node's DRAM buffer; waits (bounded) for others to free some."""
-        area = step.area
+    async def _allocate(self, step: Allocate) -> tuple[int, str]:
+        """An area of its node's DRAM buffer from the node's host agent, which owns the buffer's
+        allocator: (offset, the agent's epoch). While the buffer is full it waits for this
+        conductor to free some there, and asks again (bounded by the request timeout)."""
+        node, nbytes = step.area.node, step.area.blocks * self.geom.full_block_bytes
         deadline = time.monotonic() + self.timeout_s
-        async with self._space:
-            while True:
-                try:
-                    return self.buffers[area.node].alloc(area.blocks * self.geom.full_block_bytes)
-                except OutOfSpace:
-                    if time.monotonic() > deadline:
-                        raise
+        while True:
+            seen = self._frees.get(node, 0)
+            got = await self.c.jobs[node].call("alloc", nbytes=nbytes, timeout_s=self.timeout_s)
+            if got["offset"] is not None:
+                return got["offset"], got["epoch"]
+            if time.monotonic() > deadline:
+                raise OutOfSpace(f"{node}: {got.get('error', 'no room')} for {self.timeout_s:g} s")
+            async with self._space:
+                if self._frees.get(node, 0) == seen:  # nothing freed there since it asked
                     try:
                         await asyncio.wait_for(self._space.wait(), timeout=0.5)
                     except asyncio.TimeoutError:
                         pass
 
     async def _release(self, step: Release) -> None:
+        """Give an area back to its host agent. One whose agent died went with its buffer."""
+        node, (offset, epoch) = step.area.node, step.handle
+        try:
+            await self.c.jobs[node].call("free", offset=offset, epoch=epoch, timeout_s=self.timeout_s)
+        except ControlError:
+            if not self._dead(node):
+                raise
         async with self._space:
-            self.buffers[step.area.node].free(step.handle)
+            self._frees[node] = self._frees.get(node, 0) + 1
             self._space.notify_all()
 
     async def _load_hits(self, step: LoadHits) -> int:
@@ -168,7 +178,7 @@ class Conductor:
         rec, fb = step.rec, self.geom.full_block_bytes
         try:
             res = await self.c.loaders[x.node].call("load", keys=list(x.keys),
-                                                    offset=step.held[x.area][1] + x.first_block * fb,
+                                                    offset=step.held[x.area][1][0] + x.first_block * fb,
                                                     timeout_s=self.timeout_s)
         except ControlError as e:
             dead = bool(self._dead(x.node))
@@ -194,8 +204,8 @@ class Conductor:
     async def _prefill(self, step: Prefill) -> PrefillJob:
         """Queue the request on its PE; returns once its last pass is done."""
         plan, held = step.plan, step.held
-        dst = Span(plan.de_node, "buf", held["de"][1]) if plan.moves_kv else None
-        reads = tuple(PastRead(Span(held[p.area][0].node, "buf", held[p.area][1]), p.first, p.n) for p in plan.past)
+        dst = Span(plan.de_node, "buf", held["de"][1][0]) if plan.moves_kv else None
+        reads = tuple(PastRead(Span(held[p.area][0].node, "buf", held[p.area][1][0]), p.first, p.n) for p in plan.past)
         fut = asyncio.get_running_loop().create_future()
 
         def done(job: PrefillJob, error: StepError | None) -> None:
@@ -249,8 +259,8 @@ class Conductor:
     async def _decode(self, step: Decode) -> DecodeOutcome:
         """The request's decode on its DE, from the KV at `src`, writing Full Blocks to `wb`."""
         plan, job = step.plan, step.job
-        src = Span(plan.de_node, "buf", step.src) if step.src is not None else None
-        wb = Span(plan.de_node, "buf", step.wb) if step.wb is not None else None
+        src = Span(plan.de_node, "buf", step.src[0]) if step.src is not None else None
+        wb = Span(plan.de_node, "buf", step.wb[0]) if step.wb is not None else None
         dec = await self.c.jobs[plan.route.de].call(
             "decode", request=step.rid, n_prompt=plan.n_prompt, first_token=job.first_token,
             t_first_token=job.t_first_token + self.t0, gen_len=plan.gen_len, src=src.to_msg() if src else None,
@@ -267,7 +277,7 @@ class Conductor:
         blocks = step.decoded.written_blocks
         await c.jobs[plan.de_node].call("wait_notifs", peer=plan.route.de, msgs=[plan.writeback_notif(b) for b in blocks],
                                         timeout_s=self.timeout_s)
-        res = await c.jobs[plan.de_node].call("flush", keys=keys, offset=step.wb, crcs=step.decoded.block_crcs,
+        res = await c.jobs[plan.de_node].call("flush", keys=keys, offset=step.wb[0], crcs=step.decoded.block_crcs,
                                               timeout_s=self.timeout_s)
         took = list(res.get("stored", [True] * len(keys)))
         kept = [k for k, ok in zip(keys, took) if ok]

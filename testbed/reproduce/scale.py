@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dualpath.workload import demo_workload, poisson_arrivals
-from simulator.cluster import TrajectorySpec
+from simulator.agents import TrajectorySpec
 from testbed.sim.drive import SimResult, sim_config, simulate, trajectories, summarize
 from testbed.topology import Topology, load_topology
 

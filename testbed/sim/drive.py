@@ -35,7 +35,8 @@ from dualpath.workload import WorkloadConfig, demo_workload, generate_lengths, p
 from dualpath.workload.trace import TraceWorkload, block_keys, with_run_hits
 from emulators.nic import burst_bytes
 from simulator.calibration import UNCALIBRATED, Calibration
-from simulator.cluster import ClusterSim, SimConfig, SimResult, TraceTurn, TrajectorySpec
+from simulator.agents import TraceTurn, TrajectorySpec
+from simulator.cluster import ClusterSim, SimConfig, SimResult
 from testbed.measure.fidelity import payload_share
 from testbed.measure.metrics import forward_balance, percentiles, speedups, token_latencies
 from testbed.cluster.modes import PATH_POLICY, connector_of
