@@ -2,21 +2,22 @@
 
 A request's lifecycle is dualpath.lifecycle (the same code the simulator runs): the conductor
 performs its steps on the real cluster. The scheduler routes (testbed/cluster/scheduling.py), the
-host agents load hit Full Blocks into their DRAM buffers and flush written ones to the store, the
-PE's layerwise passes read the past KV and write KV to the DE buffer through its connector, and
-the DE decodes. Trajectories run concurrently; each process serves one command at a time, so
-queues form where a real cluster's would.
+host agents hand out areas of their DRAM buffers, load hit Full Blocks into them and flush written
+ones to the store, the PE's layerwise passes read the past KV and write KV to the DE buffer
+through its connector, and the DE decodes. Trajectories run concurrently; each process serves one
+command at a time, so queues form where a real cluster's would.
 
 Each PE's forward passes are packed under the compute quota by the cost model (the target GPU's
 on an emulated clock, the engine's own fit on the CPU's), chunking the request that would
 overflow it (dualpath.lifecycle.prefill). Decode engines batch every ready request themselves;
 the conductor keeps one decode outstanding per request.
 
-Faults (testbed/cluster/faults.py): a request whose engines or DE host agent die under it starts over
-as a new request to the scheduler (which no longer offers them), at most MAX_ATTEMPTS times; hit
-blocks that cannot be read (corrupt, missing, their server or the node's SNIC down, the node's
-host agent gone) are recomputed from the first of them, and its write-back repairs them; a
-write-back the store refuses (a full disk) leaves the request complete and its blocks unstored.
+Faults (testbed/cluster/faults.py): a request whose engines or DE host agent die under it starts
+over as a new request to the scheduler (which no longer offers them), at most
+dualpath.lifecycle.request.MAX_ATTEMPTS times; hit blocks that cannot be read (corrupt, missing,
+their server or the node's SNIC down, the node's host agent gone) are recomputed from the first
+of them, and its write-back repairs them; a write-back the store refuses (a full disk) leaves the
+request complete and its blocks unstored.
 What each request met is charged to the fault that explains it (FaultLog).
 
 Timestamps are the host's monotonic clock (shared by every process on this
