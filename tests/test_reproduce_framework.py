@@ -274,3 +274,30 @@ def test_plain_run_folders_match_by_topology_modes_and_workload(tmp_path):
     assert got["scheduler/2p1d-io/24"].path.name == "sched"
     got, _ = match_runs(module("fig13").plan(False), runs)  # 48 agents: the 24-agent run does not fit
     assert got == {}
+
+
+def test_a_seed_offset_moves_every_runs_seeds_and_makes_them_new_runs():
+    from testbed.reproduce import module
+
+    moved_any = False
+    for fig_id in IDS:
+        plan = module(fig_id).plan(True)
+        assert plan.with_seed(0) is plan
+        moved = plan.with_seed(7)
+        assert [c.key for c in moved.configs] == [c.key for c in plan.configs]
+        for a, b in zip(plan.configs, moved.configs):
+            moved_any = True
+            assert b.workload.seed == a.workload.seed + 7 and b.digest() != a.digest()
+            assert (b.online.seed if b.online else None) == (a.online.seed + 7 if a.online else None)
+            assert (b.trace.seed if b.trace else None) == (a.trace.seed + 7 if a.trace else None)
+        assert not plan.configs or "--seed 7" in moved.notes[-1]
+    assert moved_any
+    with pytest.raises(ValueError, match=">= 0"):
+        module("fig12").plan(True).with_seed(-1)
+
+
+def test_cli_plan_with_a_seed_says_so_and_a_negative_one_is_refused():
+    r = dualpath("reproduce", "fig12", "--quick", "--plan", "--seed", "5")
+    assert r.returncode == 0 and "(--seed 5)" in r.stdout and "seed 5" not in r.stderr, r.stderr
+    r = dualpath("reproduce", "fig12", "--quick", "--plan", "--seed", "-1")
+    assert r.returncode == 2

@@ -18,7 +18,9 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
               plan_only: bool = typer.Option(False, "--plan", help="print the runs it needs and their estimated time; run nothing"),
               runs: Optional[list[Path]] = typer.Option(None, "--runs", help="analyse these run folders (or folders "
                                                         "of them) instead of running; repeatable"),
-              fresh: bool = typer.Option(False, help="run again even where a FAITHFUL run of the same config exists")) -> None:
+              fresh: bool = typer.Option(False, help="run again even where a FAITHFUL run of the same config exists"),
+              seed: int = typer.Option(0, min=0, max=1_000_000, help="offset every run's workload and arrival "
+                                       "seeds by this: the figure on workloads no committed run saw")) -> None:
     """Reproduce one table or figure of the paper: summary.json, PNGs and report.md."""
     from testbed.reproduce import IDS, UnknownId, module, reproduce_id
     from testbed.measure.runs import RunError
@@ -30,7 +32,7 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
     if not fig:
         _fail("reproduce: name an id (dualpath reproduce --list)")
     try:
-        plan = module(fig).plan(quick)
+        plan = module(fig).plan(quick).with_seed(seed)
     except UnknownId as e:
         _fail(f"reproduce: {e}")
     if plan_only:
@@ -43,7 +45,7 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
             typer.echo(line)
     try:
         folder, result = reproduce_id(fig, quick=quick, out_root=out, command=" ".join(["dualpath", *sys.argv[1:]]),
-                                      run_folders=runs, fresh=fresh, progress=typer.echo)
+                                      run_folders=runs, fresh=fresh, progress=typer.echo, seed=seed)
     except RunError as e:
         _fail(f"reproduce: {e}")
     for h in result.headline:

@@ -80,13 +80,14 @@ def _fits(cfg, run) -> bool:
 
 def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",
                  run_folders: Iterable[Path] | None = None, fresh: bool = False,
-                 progress: Callable[[str], None] = print, run_id: str | None = None):
+                 progress: Callable[[str], None] = print, run_id: str | None = None, seed: int = 0):
     """Reproduce one id; returns (output folder, Result). With `run_folders`, analyse those
-    (nothing runs); otherwise execute the plan's runs first (needs root and the testbed)."""
+    (nothing runs); otherwise execute the plan's runs first (needs root and the testbed).
+    `seed` offsets every run's seeds (Plan.with_seed): workloads no committed run saw."""
     from testbed.measure.runs import find_runs
 
     mod = module(fig_id)
-    plan = mod.plan(quick)
+    plan = mod.plan(quick).with_seed(seed)
     runs, missing = {}, {}
     if plan.configs:
         if run_folders is not None:
@@ -114,7 +115,7 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
         result.scale_down = plan.scale_down
     lines = []
     if plan.configs:
-        other = mod.plan(not quick)
+        other = mod.plan(not quick).with_seed(seed)
         lines = plan.lines() + [f"({'full' if quick else 'quick'} size: {len(other.configs)} run(s), estimated "
                                 f"{other.estimate_s() / 60:.1f} min; `dualpath reproduce {fig_id}"
                                 f"{'' if quick else ' --quick'} --plan` lists them)"]

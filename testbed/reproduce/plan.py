@@ -141,6 +141,23 @@ class Plan:
     def needs_testbed(self) -> bool:
         return bool(self.configs)
 
+    def with_seed(self, offset: int) -> "Plan":
+        """The same plan on other workloads: every run's seeds (its workload's or trace's, and its
+        arrivals') moved by `offset`, so its runs are new ones (their digests change) that a
+        committed run did not see. 0 is the plan itself."""
+        if offset == 0:
+            return self
+        if offset < 0:
+            raise ValueError(f"a seed offset is >= 0, not {offset}")
+
+        def moved(c: RunConfig) -> RunConfig:
+            return replace(c, workload=replace(c.workload, seed=c.workload.seed + offset),
+                           online=replace(c.online, seed=c.online.seed + offset) if c.online else None,
+                           trace=replace(c.trace, seed=c.trace.seed + offset) if c.trace else None)
+
+        note = f"every run's workload and arrival seeds offset by {offset} (--seed {offset})"
+        return replace(self, configs=[moved(c) for c in self.configs], notes=[*self.notes, note])
+
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "quick": self.quick, "scale_down": self.scale_down, "notes": self.notes,
                 "needs_online_runner": self.needs_online,
