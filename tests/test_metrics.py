@@ -94,3 +94,28 @@ def test_tolerated_overruns_may_not_add_up_to_a_percent_of_the_jct():
     ok, reasons = verdict(runs, [], 0.4, [], jct_s=60.0)
     assert not ok and "overran were 800 ms late in all, 1.3% of the run's JCT" in reasons[0]
     assert verdict(runs, [], 0.4, [], jct_s=100.0) == (True, [])  # 0.8 % (the 1.8 s of jitter is not counted)
+
+
+def test_the_chain_bound_is_the_longest_agents_reads_and_computes_in_sequence():
+    from testbed.measure.metrics import chain_bound_s
+
+    # agent 0: two turns of 100 B at 50 B/s (2 s each) + 1 s prefill + 1 s decode; agent 1: one short turn
+    turns = {0: [(100, 1.0, 1.0), (100, 1.0, 1.0)], 1: [(0, 0.5, 0.5)]}
+    assert chain_bound_s(turns, 50.0) == 8.0
+    assert chain_bound_s({}, 50.0) is None and chain_bound_s(turns, 0.0) is None
+
+
+def test_the_speedup_bound_is_the_least_of_its_three_and_says_which():
+    from testbed.measure.metrics import speedups
+
+    light = {"basic": {"jct_s": 10.0}, "dualpath": {"jct_s": 6.0}, "oracle": {"jct_s": 4.0}}
+    speedups(light, 1, 2, chain_s=5.0)  # nodes 3, io_free 2.5, chain 2: the chain binds
+    d = light["dualpath"]
+    assert d["speedup_bound"] == 2.0 and d["speedup_bound_by"] == "chain"
+    assert d["speedup_bounds"] == {"nodes": 3.0, "io_free": 2.5, "chain": 2.0}
+    loaded = {"basic": {"jct_s": 10.0}, "dualpath": {"jct_s": 6.0}, "oracle": {"jct_s": 2.0}}
+    speedups(loaded, 1, 1, chain_s=2.5)  # nodes 2 binds: reading on both nodes is the limit
+    assert loaded["dualpath"]["speedup_bound"] == 2.0 and loaded["dualpath"]["speedup_bound_by"] == "nodes"
+    bare = {"basic": {"jct_s": 10.0}, "dualpath": {"jct_s": 6.0}}
+    speedups(bare, 2, 1)  # no oracle, no chain: the nodes' bound alone
+    assert bare["dualpath"]["speedup_bounds"] == {"nodes": 1.5}

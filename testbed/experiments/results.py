@@ -15,7 +15,8 @@ from testbed.fabric import counters
 from testbed.measure.collectives import collective_stats
 from dualpath.lifecycle.record import RequestRecord
 from testbed.cluster.faults import FaultLog
-from testbed.measure.metrics import forward_balance, percentiles, speedups, token_latencies
+from testbed.measure.fidelity import payload_share
+from testbed.measure.metrics import chain_bound_s, forward_balance, percentiles, speedups, token_latencies
 from testbed.paths import REPO
 from testbed.cluster.runclock import RunClock
 from testbed.topology import Topology
@@ -88,7 +89,8 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                                                  "reads that were discarded are not in the expected counts")
     out["unfaithful_modes"] = [m for m, v in out["modes"].items() if not v["faithful"]]
     out["faithful"] = bool(out["modes"]) and not out["unfaithful_modes"]
-    speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes)
+    chain = run_chain_s(results, topo)
+    speedups(out["modes"], topo.spec.prefill_nodes, topo.spec.decode_nodes, chain / k if chain else None)
     proofs = [r.rdma for r in results if r.rdma is not None]
     if proofs:  # transport rdma: proven only when every mode that moved KV proved it
         out["rdma"] = {"rdma_proven": all(p["rdma_proven"] for p in proofs),
@@ -97,6 +99,25 @@ def summarize(results: list[ModeResult], workload: Workload, geom: BlockGeometry
                        "kv_bytes": sum(p["kv_bytes"] for p in proofs),
                        "rdma_mtu": None, "modes": [r.mode for r in results if r.rdma is not None]}
     return out
+
+
+def run_chain_s(results: list[ModeResult], topo: Topology) -> float | None:
+    """chain_bound_s of a run, testbed s: the oracle mode's own turn times (routing to first
+    token, first token to done) stand in for compute without I/O, and each turn's hits are read
+    at one SNIC's uncontended payload rate (both sides' SNICs where a mode split a read), the
+    storage servers' NICs and disks together no slower. None without an oracle mode."""
+    oracle = next((r for r in results if r.mode == "oracle"), None)
+    if oracle is None:
+        return None
+    turns: dict[int, list[tuple[float, float, float]]] = {}
+    for r in sorted(oracle.records, key=lambda r: (r.trajectory, r.turn)):
+        if not r.error and r.trajectory >= 0 and r.token_times:  # warm-ups are not an agent's
+            turns.setdefault(r.trajectory, []).append((r.hit_bytes, r.t_first_token - r.t_arrive,
+                                                       r.t_done - r.t_first_token))
+    sides = 2 if any(x.path == "split" for res in results for x in res.records) else 1
+    wire, n = payload_share(topo.spec.mtu), topo.spec.storage.servers
+    rate = min(sides * topo.snic_bps * wire, n * topo.storage_nic_bps * wire, n * topo.disk_bps) / 8
+    return chain_bound_s(turns, rate)
 
 
 def _mode_summary(res: ModeResult, geom: BlockGeometry, k: float) -> dict[str, Any]:

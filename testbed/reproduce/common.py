@@ -191,7 +191,8 @@ def jct(run: Run, mode: str) -> float | None:
 
 def pd_bound(run: Run) -> float | None:
     """The run's bound on DualPath's speed-up over Basic: speedup_bound from its summary
-    (min((P+D)/P, basic/oracle)), else (P+D)/P from the topology name (<P>p<D>d...)."""
+    (the least of (P+D)/P, basic/oracle and the agents' chain bound: testbed.measure.metrics.speedups),
+    else (P+D)/P from the topology name (<P>p<D>d...)."""
     for m in run.modes:
         b = run.mode(m).get("speedup_bound")
         if b:

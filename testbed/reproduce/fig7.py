@@ -81,7 +81,7 @@ def render(rows: list[dict], out: Path, quick: bool) -> list[str]:
                             color=plots.color("dualpath"))
         ax.set_ylim(0, top * 1.25)
         plots.legend_below(ax, ncol=3)
-        plots.caption(fig, f"Above each group: DualPath's speed-up over Basic and its bound min((P+D)/P, Basic/Oracle). "
+        plots.caption(fig, f"Above each group: DualPath's speed-up over Basic and its bound (the least of (P+D)/P, Basic/Oracle and the agents' chain). "
                            f"Paper, largest cell: {paper.FIG7_SPEEDUP_MAX['DS 27B (1P1D)']}x (DS 27B, 1P1D, 64K), "
                            f"{paper.FIG7_SPEEDUP_MAX['DS 660B (2P4D)']}x (DS 660B, 2P4D).")
         name = f"fig7_{s}.png"

@@ -83,7 +83,7 @@ def render(rows: list[dict], eq: dict, out: Path) -> list[str]:
                         xytext=(0, 2), textcoords="offset points")
     bx = [(x, c["bound"]) for x, c in zip(xs, rows) if c["bound"]]
     ax.scatter([b[0] for b in bx], [b[1] for b in bx], marker="_", s=900, color="black", zorder=5,
-               label="bound min((P+D)/P, Basic/Oracle)")
+               label="bound: least of (P+D)/P, Basic/Oracle, agent chain")
     i2 = [x for x, c in zip(xs, rows) if c["pd"] == "1P2D"]
     if i2:
         plots.paper_points(ax, i2, [paper.FIG8_MAX_SPEEDUP], "paper, 1P2D (DS 27B): 2.46x")
