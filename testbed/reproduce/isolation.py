@@ -12,12 +12,16 @@ Acceptance (issue 12), judged here and never loosened: QoS on, collective p99 un
 idle's; QoS off, >= 2x; kv throughput with QoS on >= 0.9 of QoS off's; TTFT and TPOT the same
 pattern (on <= 1.1x idle, off >= 2x idle, at p99 and p50); every condition FAITHFUL.
 
-The collectives compared are the same collectives in every condition. A prefill pass's AllToAll
-carries its batch's tokens, and how the scheduler batches requests shifts with small timing
-differences, so one condition's pool holds sizes another lacks, and a pooled p99 then compares
-different transfers. So the checked latencies are over the collectives whose (role, tokens) occurs in all
-three conditions, each such size taken as often as the condition that ran it least, earliest first.
-The pooled numbers are kept beside them (`collective_all`) and shown in the report.
+The headline compares every collective of each condition, pooled: that is what a user of the
+cluster sees. A prefill pass's AllToAll carries its batch's tokens and batching shifts with small
+timing differences, so the pools hold different sizes; the same comparison over the collectives
+whose (role, tokens) occurs in all three conditions (each size as often as the condition that ran
+it least, earliest first) is the second row (`collective_matched`).
+
+Under QoS off the collectives queue behind the kv load in one FIFO per shaped link (a bfifo of
+emulators/nic.py QUEUE_BYTES), so their latency grows while that queue fills: the report gives
+the queue's depth in time at the CNIC's rate and each condition's median latency by third of its
+run, saying whether it reached a steady state (`trend`).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ COLORS = {"idle": "#55a868", "qos_on": "#4c72b0", "qos_off": "#c44e52"}
 ON_MAX = 1.1  # QoS on: at most this times idle
 OFF_MIN = 2.0  # QoS off: at least this times idle
 KV_MIN = 0.9  # kv throughput with QoS on over off
+STEADY_MAX = 1.25  # a condition is steady when its last third's median is at most this times its middle third's
 
 
 def config(quick: bool) -> RunConfig:
@@ -102,9 +107,30 @@ def matched_collectives(rows: dict[str, list[dict]]) -> dict[str, list[dict]]:
     return {c: [r for key in sorted(common) for r in g[key][:n[key]]] for c, g in grouped.items()}
 
 
+def trend(rows: list[dict], k: float) -> dict[str, Any]:
+    """A condition's collective latency by third of its run (emulated s, medians): `steady` when
+    the last third's is at most STEADY_MAX times the middle third's (a queue that keeps filling
+    is not), None with fewer than 3 collectives per third."""
+    xs = [r["s"] / k for r in sorted(rows, key=lambda r: r["t"])]
+    n = len(xs) // 3
+    if n < 3:
+        return {"p50_by_third": None, "steady": None, "n": len(xs)}
+    thirds = [percentiles(xs[i * n:(i + 1) * n if i < 2 else len(xs)], (50,))["p50"] for i in range(3)]
+    return {"p50_by_third": thirds, "steady": thirds[2] <= STEADY_MAX * thirds[1], "n": len(xs)}
+
+
+def queue_depth(topo) -> dict[str, Any]:
+    """How long one shaped CNIC's class queue takes to drain at the CNIC's rate: the most a FIFO
+    behind a saturating load can add to a collective (testbed and emulated s)."""
+    from emulators.nic import QUEUE_BYTES
+
+    testbed_s = QUEUE_BYTES * 8 / topo.cnic_bps
+    return {"queue_bytes": QUEUE_BYTES, "cnic_bps": topo.cnic_bps, "drain_testbed_s": round(testbed_s, 4)}
+
+
 def condition_numbers(run, cond: str, matched: list[dict] | None = None) -> dict[str, Any]:
     """Everything the figure reads of one condition, in emulated seconds (testbed beside);
-    `collective` is over `matched` (matched_collectives) where given, `collective_all` over all."""
+    `collective` is over every collective, `collective_matched` over `matched` (matched_collectives)."""
     k = run.dilation
     m = run.mode(cond)
     everything = collective_rows(run.passes(cond), run.steps(cond))
@@ -115,10 +141,11 @@ def condition_numbers(run, cond: str, matched: list[dict] | None = None) -> dict
     coll = m.get("collectives") or {}
     return {
         "faithful": bool(m.get("faithful")), "unfaithful_reasons": m.get("unfaithful_reasons") or [],
-        "collective": _pcts([r["s"] for r in rows], k),
-        "collective_all": _pcts([r["s"] for r in everything], k),
-        "collective_prefill": _pcts([r["s"] for r in rows if r["role"] == "prefill"], k),
-        "collective_decode": _pcts([r["s"] for r in rows if r["role"] == "decode"], k),
+        "collective": _pcts([r["s"] for r in everything], k),
+        "collective_matched": _pcts([r["s"] for r in rows], k),
+        "collective_trend": trend(everything, k),
+        "collective_prefill": _pcts([r["s"] for r in everything if r["role"] == "prefill"], k),
+        "collective_decode": _pcts([r["s"] for r in everything if r["role"] == "decode"], k),
         "prefill_pass": _pcts(passes, k), "decode_step": _pcts(steps, k),
         "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"),
         "kv_bytes_per_s": iso.get("kv_bytes_per_s"),
@@ -242,38 +269,45 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     p99 = {c: _get(nums, c, "collective", "p99") for c in CONDITIONS}
     p99_tb = {c: ((nums.get(c) or {}).get("collective") or {}).get("testbed_s", {}).get("p99") for c in CONDITIONS}
     over = {c: ratio(p99[c], p99["idle"]) for c in ("qos_on", "qos_off")}
-    p99_all = {c: _get(nums, c, "collective_all", "p99") for c in CONDITIONS}
-    over_all = {c: ratio(p99_all[c], p99_all["idle"]) for c in ("qos_on", "qos_off")}
+    p99_matched = {c: _get(nums, c, "collective_matched", "p99") for c in CONDITIONS}
+    over_matched = {c: ratio(p99_matched[c], p99_matched["idle"]) for c in ("qos_on", "qos_off")}
     kv = chk["kv_throughput"]["on_over_off"]
+    queue = queue_depth(cfg.topology_obj())
+    if run is not None:
+        queue["drain_emulated_s"] = round(queue["drain_testbed_s"] / run.dilation, 4)
     data = {
         "collective_p99_s": p99, "collective_p99_testbed_s": p99_tb,
         "collective_p50_s": {c: _get(nums, c, "collective", "p50") for c in CONDITIONS},
         "p99_over_idle": over, "kv_throughput_on_over_off": kv,
-        "collective_p99_all_s": p99_all, "p99_over_idle_all": over_all,
+        "collective_p99_matched_s": p99_matched, "p99_over_idle_matched": over_matched,
+        "collective_trend": {c: (nums.get(c) or {}).get("collective_trend") for c in CONDITIONS},
+        "queue": queue,
         "model_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("model") for c in CONDITIONS},
         "kv_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("kv") for c in CONDITIONS},
         "checks": chk, "conditions": nums, "dilation": run.dilation if run else None,
-        "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN},
+        "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN,
+                       "steady_last_over_middle_third_max": STEADY_MAX},
     }
-    heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms, same sizes)", p99[c] * 1e3 if p99[c] is not None else None)
-             for c in CONDITIONS]
-    heads += [Headline("collective p99 with QoS on / idle (x, same sizes; issue: <= 1.1)", over["qos_on"], None, 1.0),
-              Headline("collective p99 with QoS off / idle (x, same sizes; issue: >= 2)", over["qos_off"]),
-              Headline("collective p99 with QoS on / idle (x, all collectives, sizes differ)", over_all["qos_on"], None, 1.0),
-              Headline("collective p99 with QoS off / idle (x, all collectives, sizes differ)", over_all["qos_off"]),
+    heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms, all collectives)",
+                      p99[c] * 1e3 if p99[c] is not None else None) for c in CONDITIONS]
+    heads += [Headline("collective p99 with QoS on / idle (x, all collectives; issue: <= 1.1)", over["qos_on"], None, 1.0),
+              Headline("collective p99 with QoS off / idle (x, all collectives; issue: >= 2)", over["qos_off"]),
+              Headline("collective p99 with QoS on / idle (x, the sizes all conditions ran)", over_matched["qos_on"],
+                       None, 1.0),
+              Headline("collective p99 with QoS off / idle (x, the sizes all conditions ran)", over_matched["qos_off"]),
               Headline("kv load throughput, QoS on / off (x; issue: >= 0.9)", kv, None, 1.0)]
     for metric in ("ttft_s", "tpot_s"):
         c = chk[f"{metric}_p99"]
         heads += [Headline(f"{metric[:4].upper()} p99 with QoS on / idle (x)", c["qos_on_over_idle"], None, 1.0),
                   Headline(f"{metric[:4].upper()} p99 with QoS off / idle (x)", c["qos_off_over_idle"])]
-    notes = _notes(nums, chk)
+    notes = _notes(nums, chk, queue)
     used = [UsedRun(cfg.key, run, tuple(nums))] if run is not None else []
     pngs = render(run, nums, out) if run is not None else []
     return Result(ID, TITLE, heads, pngs, used, data=data, notes=notes, scale_down=plan(quick).scale_down,
                   sections=_table(nums))
 
 
-def _notes(nums: dict, chk: dict) -> list[str]:
+def _notes(nums: dict, chk: dict, queue: dict) -> list[str]:
     out = ["The paper gives no number for this experiment (it argues for virtual lanes without measuring QoS off); "
            "the columns 'paper' are empty and the thresholds are the issue's."]
     c = chk["collective_p99"]
@@ -285,9 +319,22 @@ def _notes(nums: dict, chk: dict) -> list[str]:
         verdicts.append((f"{m[:4].upper()} p99: QoS off at least 2x idle", chk[m]["qos_off_ok"]))
     out += [f"{'MET' if ok else 'NOT MET'}: {what}" for what, ok in verdicts]
     if nums:
-        same = ", ".join(f"{c} {n['collective']['n']} of {n['collective_all']['n']}" for c, n in nums.items())
-        out.append(f"Collective latencies are compared over the same sizes in every condition (matched_collectives): {same} "
-                   "collectives; the pooled p99s, over sizes that differ by condition, are in the table and the headline.")
+        same = ", ".join(f"{c} {n['collective_matched']['n']} of {n['collective']['n']}" for c, n in nums.items())
+        out.append(f"The verdicts are over every collective of each condition (pooled); over the sizes all three ran "
+                   f"(matched_collectives: {same} collectives) they are the second rows.")
+    if "drain_emulated_s" in queue:
+        out.append(f"Each shaped link's class queue is a bfifo of {queue['queue_bytes'] / 2 ** 20:g} MiB "
+                   f"(emulators/nic.py QUEUE_BYTES, deep so the lossless fabric drops nothing): at the CNIC's "
+                   f"{queue['cnic_bps'] / 1e6:g} Mbit/s it drains in {queue['drain_testbed_s'] * 1e3:.0f} ms here, "
+                   f"{queue['drain_emulated_s'] * 1e3:.1f} emulated ms: the most a FIFO behind the kv load can add to "
+                   f"a collective, so QoS off's latencies depend on how full the load keeps it.")
+    for cond, n in nums.items():
+        t = n.get("collective_trend") or {}
+        if t.get("p50_by_third"):
+            a, b, c = (x * 1e3 for x in t["p50_by_third"])
+            out.append(f"{cond}: collective median by third of the run {a:.2f}, {b:.2f}, {c:.2f} emulated ms: "
+                       + ("steady" if t["steady"] else f"still climbing (last third over {STEADY_MAX:g}x the middle): "
+                          "not a steady state, so its p99 depends on the run's length"))
     for cond, n in nums.items():
         cb, coll = n["class_bytes"], n["collective_bytes"]
         if cb.get("model") and coll:
@@ -303,13 +350,13 @@ def _table(nums: dict) -> list[str]:
         return "—" if v is None else f"{v * 1e3:.2f}"
 
     rows = ["## Per condition (emulated; collective and pass times in ms, TTFT/TPOT in ms)", "",
-            "| condition | verdict | collective p50 | p99 | all, p99 | prefill coll. p99 | decode coll. p99 | prefill pass p50 | p99 "
+            "| condition | verdict | collective p50 | p99 | same sizes, p99 | prefill coll. p99 | decode coll. p99 | prefill pass p50 | p99 "
             "| decode step p50 | TTFT p50 | p99 | TPOT p50 | p99 | kv load (Mbit/s here) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c, n in nums.items():
         kv = n.get("kv_bytes_per_s")
         rows.append(f"| {LABELS[c]} | {'FAITHFUL' if n['faithful'] else 'UNFAITHFUL'} | {ms(n['collective'], 'p50')} | "
-                    f"{ms(n['collective'], 'p99')} | {ms(n['collective_all'], 'p99')} | {ms(n['collective_prefill'], 'p99')} | "
+                    f"{ms(n['collective'], 'p99')} | {ms(n['collective_matched'], 'p99')} | {ms(n['collective_prefill'], 'p99')} | "
                     f"{ms(n['collective_decode'], 'p99')} | {ms(n['prefill_pass'], 'p50')} | {ms(n['prefill_pass'], 'p99')} | "
                     f"{ms(n['decode_step'], 'p50')} | {ms(n['ttft_s'], 'p50')} | {ms(n['ttft_s'], 'p99')} | "
                     f"{ms(n['tpot_s'], 'p50')} | {ms(n['tpot_s'], 'p99')} | "
