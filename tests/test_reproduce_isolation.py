@@ -112,7 +112,7 @@ def test_the_pooled_collectives_decide_and_the_same_sizes_are_the_second_row(tmp
         names.index("collective p99 with QoS on / idle (x, the sizes all conditions ran)")
     report = (out / "report.md").read_text()
     assert "The verdicts are over every collective of each condition (pooled)" in report
-    assert "bfifo of 16 MiB" in report and "emulated ms: the most a FIFO" in report
+    assert "bfifo of 16 MiB" in report and "the most a FIFO behind the kv load can add" in report
 
 
 def test_a_latency_still_climbing_is_not_a_steady_state():

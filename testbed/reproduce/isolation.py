@@ -327,12 +327,13 @@ def _notes(nums: dict, chk: dict, queue: dict) -> list[str]:
                    f"(emulators/nic.py QUEUE_BYTES, deep so the lossless fabric drops nothing): at the CNIC's "
                    f"{queue['cnic_bps'] / 1e6:g} Mbit/s it drains in {queue['drain_testbed_s'] * 1e3:.0f} ms here, "
                    f"{queue['drain_emulated_s'] * 1e3:.1f} emulated ms: the most a FIFO behind the kv load can add to "
-                   f"a collective, so QoS off's latencies depend on how full the load keeps it.")
+                   f"a collective at each shaped queue it passes (its sender's CNIC and its receiver's), so QoS off's "
+                   f"latencies depend on how full the load keeps them.")
     for cond, n in nums.items():
         t = n.get("collective_trend") or {}
         if t.get("p50_by_third"):
             a, b, c = (x * 1e3 for x in t["p50_by_third"])
-            out.append(f"{cond}: collective median by third of the run {a:.2f}, {b:.2f}, {c:.2f} emulated ms: "
+            out.append(f"{cond}: collective median by third of the run {a:.3g}, {b:.3g}, {c:.3g} emulated ms: "
                        + ("steady" if t["steady"] else f"still climbing (last third over {STEADY_MAX:g}x the middle): "
                           "not a steady state, so its p99 depends on the run's length"))
     for cond, n in nums.items():
