@@ -32,7 +32,7 @@ from testbed.experiments.ablation import _run_mode, run_geometry
 from testbed.experiments.results import ModeResult, summarize, write_results
 from testbed.fabric.network import Fabric
 from testbed.experiments.kvload import KvLoad
-from testbed.paths import shown_path
+from testbed.paths import code_version, shown_path
 from testbed.cluster.runclock import RunClock
 from testbed.topology import Topology
 
@@ -146,7 +146,8 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
     summary.update({"topology": topo.name, "trajectories": len(workload.trajectories), "seed": workload.config.seed,
                     "checkpoint": shown_path(checkpoint), "wall_s": round(time.monotonic() - t0, 1), "quota_s": quota_s,
                     "first_turn_tokens": workload.config.first_append_len, "workload": workload.config.to_dict(),
-                    "experiment": "isolation", "kv_load": {"cc": cc, "flows": "one per engine, host port -> CNIC",
+                    "code": code_version(), "experiment": "isolation",
+                    "kv_load": {"cc": cc, "flows": "one per engine, host port -> CNIC",
                                                            "settle_s": SETTLE_S, "saturated_min": LOAD_MIN},
                     **(extra or {})})
     write_results(results, summary, run_dir, command)
