@@ -148,7 +148,7 @@ def run_isolation(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "first_turn_tokens": workload.config.first_append_len, "workload": workload.config.to_dict(),
                     "code": code_version(), "experiment": "isolation",
                     "kv_load": {"cc": cc, "flows": "one per engine, host port -> CNIC",
-                                                           "settle_s": SETTLE_S, "saturated_min": LOAD_MIN},
+                                "settle_s": SETTLE_S, "saturated_min": LOAD_MIN},
                     **(extra or {})})
     write_results(results, summary, run_dir, command)
     shutil.rmtree(scratch, ignore_errors=True)
