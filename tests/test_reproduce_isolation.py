@@ -115,12 +115,15 @@ def test_the_pooled_collectives_decide_and_the_same_sizes_are_the_second_row(tmp
     assert "bfifo of 16 MiB" in report and "the most a FIFO behind the kv load can add" in report
 
 
-def test_a_latency_still_climbing_is_not_a_steady_state():
+def test_a_latency_still_climbing_is_not_a_steady_state_and_a_filled_queue_is():
     def rows(values):
         return [{"t": float(i), "s": v} for i, v in enumerate(values)]
 
-    flat = iso.trend(rows([0.01] * 30), k=2.0)
-    assert flat["steady"] is True and flat["p50_by_third"] == [0.005, 0.005, 0.005]
-    climbing = iso.trend(rows([0.01 * (1 + i / 3) for i in range(30)]), k=1.0)
-    assert climbing["steady"] is False and climbing["p50_by_third"][2] > 1.25 * climbing["p50_by_third"][1]
-    assert iso.trend(rows([0.01] * 8), k=1.0)["steady"] is None  # too few to say
+    flat = iso.trend(rows([0.01] * 60), k=2.0)
+    assert flat["steady"] is True and flat["settled_at_s"] == 0 and flat["p50_by_third"] == [0.005] * 3
+    climbing = iso.trend(rows([0.001 * (1 + i) for i in range(60)]), k=1.0)
+    assert climbing["steady"] is False and climbing["settled_at_s"] > 40
+    # a FIFO filling: the latency climbs for 20 collectives, then holds at the queue's depth
+    filled = iso.trend(rows([0.0005 * (1 + i) for i in range(20)] + [0.01] * 60), k=1.0)
+    assert filled["steady"] is True and filled["final_s"] == 0.01 and 15 <= filled["settled_at_s"] <= 24
+    assert iso.trend(rows([0.01] * 20), k=1.0)["steady"] is None  # too few to say

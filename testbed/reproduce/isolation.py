@@ -20,8 +20,9 @@ it least, earliest first) is the second row (`collective_matched`).
 
 Under QoS off the collectives queue behind the kv load in one FIFO per shaped link (a bfifo of
 emulators/nic.py QUEUE_BYTES), so their latency grows while that queue fills: the report gives
-the queue's depth in time at the CNIC's rate and each condition's median latency by third of its
-run, saying whether it reached a steady state (`trend`).
+the queue's depth in time at the CNIC's rate and each condition's latency over its run: its
+median by third, the level it settled at and from when, and whether that was early enough to call
+the run steady (`trend`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ COLORS = {"idle": "#55a868", "qos_on": "#4c72b0", "qos_off": "#c44e52"}
 ON_MAX = 1.1  # QoS on: at most this times idle
 OFF_MIN = 2.0  # QoS off: at least this times idle
 KV_MIN = 0.9  # kv throughput with QoS on over off
-STEADY_MAX = 1.25  # a condition is steady when its last third's median is at most this times its middle third's
+PLATEAU_BAND = 0.1  # a latency has settled once its running median stays within 10 % of its final level
 
 
 def config(quick: bool) -> RunConfig:
@@ -108,15 +109,27 @@ def matched_collectives(rows: dict[str, list[dict]]) -> dict[str, list[dict]]:
 
 
 def trend(rows: list[dict], k: float) -> dict[str, Any]:
-    """A condition's collective latency by third of its run (emulated s, medians): `steady` when
-    the last third's is at most STEADY_MAX times the middle third's (a queue that keeps filling
-    is not), None with fewer than 3 collectives per third."""
-    xs = [r["s"] / k for r in sorted(rows, key=lambda r: r["t"])]
+    """A condition's collective latency over its run (emulated s): the medians of its thirds, its
+    final level (the median of its last tenth), and from when it stayed within PLATEAU_BAND of
+    that level (`settled_at_s`, since the first collective; every later window of
+    consecutive collectives' median in the band). `steady`: it settled before the run's last
+    third began, so a longer run would add more of the same; None with too few collectives."""
+    rs = sorted(rows, key=lambda r: r["t"])
+    if len(rs) < 30:
+        return {"p50_by_third": None, "final_s": None, "settled_at_s": None, "span_s": None, "steady": None,
+                "n": len(rs)}
+    xs, ts = [r["s"] / k for r in rs], [(r["t"] - rs[0]["t"]) / k for r in rs]
     n = len(xs) // 3
-    if n < 3:
-        return {"p50_by_third": None, "steady": None, "n": len(xs)}
     thirds = [percentiles(xs[i * n:(i + 1) * n if i < 2 else len(xs)], (50,))["p50"] for i in range(3)]
-    return {"p50_by_third": thirds, "steady": thirds[2] <= STEADY_MAX * thirds[1], "n": len(xs)}
+    final = percentiles(xs[-max(3, len(xs) // 10):], (50,))["p50"]
+    w = max(5, len(xs) // 20)
+    settled = 0
+    for i in range(0, len(xs) - w + 1, w):
+        if abs(percentiles(xs[i:i + w], (50,))["p50"] - final) > PLATEAU_BAND * final:
+            settled = min(i + w, len(xs) - 1)
+    at = ts[settled]
+    return {"p50_by_third": thirds, "final_s": final, "settled_at_s": round(at, 4), "span_s": round(ts[-1], 4),
+            "steady": at <= ts[-1] * 2 / 3, "n": len(xs)}
 
 
 def queue_depth(topo) -> dict[str, Any]:
@@ -286,7 +299,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         "kv_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("kv") for c in CONDITIONS},
         "checks": chk, "conditions": nums, "dilation": run.dilation if run else None,
         "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN,
-                       "steady_last_over_middle_third_max": STEADY_MAX},
+                       "plateau_band": PLATEAU_BAND},
     }
     heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms, all collectives)",
                       p99[c] * 1e3 if p99[c] is not None else None) for c in CONDITIONS]
@@ -333,9 +346,10 @@ def _notes(nums: dict, chk: dict, queue: dict) -> list[str]:
         t = n.get("collective_trend") or {}
         if t.get("p50_by_third"):
             a, b, c = (x * 1e3 for x in t["p50_by_third"])
-            out.append(f"{cond}: collective median by third of the run {a:.3g}, {b:.3g}, {c:.3g} emulated ms: "
-                       + ("steady" if t["steady"] else f"still climbing (last third over {STEADY_MAX:g}x the middle): "
-                          "not a steady state, so its p99 depends on the run's length"))
+            level = (f"it settled at {t['final_s'] * 1e3:.3g} ms from {t['settled_at_s']:.2f} s of its "
+                     f"{t['span_s']:.2f} s" + ("" if t["steady"] else ", in the run's last third: not yet a steady "
+                                               "state over the run, so its p99 depends on the run's length"))
+            out.append(f"{cond}: collective median by third of the run {a:.3g}, {b:.3g}, {c:.3g} emulated ms; {level}.")
     for cond, n in nums.items():
         cb, coll = n["class_bytes"], n["collective_bytes"]
         if cb.get("model") and coll:
