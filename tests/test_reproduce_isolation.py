@@ -122,8 +122,11 @@ def test_a_latency_still_climbing_is_not_a_steady_state_and_a_filled_queue_is():
     flat = iso.trend(rows([0.01] * 60), k=2.0)
     assert flat["steady"] is True and flat["settled_at_s"] == 0 and flat["p50_by_third"] == [0.005] * 3
     climbing = iso.trend(rows([0.001 * (1 + i) for i in range(60)]), k=1.0)
-    assert climbing["steady"] is False and climbing["settled_at_s"] > 40
+    assert climbing["steady"] is False and climbing["settled_at_s"] > 40 and not climbing["flat"]
     # a FIFO filling: the latency climbs for 20 collectives, then holds at the queue's depth
     filled = iso.trend(rows([0.0005 * (1 + i) for i in range(20)] + [0.01] * 60), k=1.0)
     assert filled["steady"] is True and filled["final_s"] == 0.01 and 15 <= filled["settled_at_s"] <= 24
+    # two kinds of collective interleaved (decode's small, prefill's large): noisy, but flat
+    mixed = iso.trend(rows([0.001 if i % 3 else 0.05 for i in range(90)]), k=1.0)
+    assert mixed["flat"] is True and mixed["steady"] is True
     assert iso.trend(rows([0.01] * 20), k=1.0)["steady"] is None  # too few to say

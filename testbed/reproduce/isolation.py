@@ -46,6 +46,7 @@ COLORS = {"idle": "#55a868", "qos_on": "#4c72b0", "qos_off": "#c44e52"}
 ON_MAX = 1.1  # QoS on: at most this times idle
 OFF_MIN = 2.0  # QoS off: at least this times idle
 KV_MIN = 0.9  # kv throughput with QoS on over off
+FLAT_MAX = 1.25  # flat: the last third's median at most this times the middle third's
 PLATEAU_BAND = 0.1  # a latency has settled once its running median stays within 10 % of its final level
 
 
@@ -112,8 +113,9 @@ def trend(rows: list[dict], k: float) -> dict[str, Any]:
     """A condition's collective latency over its run (emulated s): the medians of its thirds, its
     final level (the median of its last tenth), and from when it stayed within PLATEAU_BAND of
     that level (`settled_at_s`, since the first collective; every later window of
-    consecutive collectives' median in the band). `steady`: it settled before the run's last
-    third began, so a longer run would add more of the same; None with too few collectives."""
+    consecutive collectives' median in the band). `steady`: it was flat (its last third's median at
+    most FLAT_MAX times its middle third's) or settled before the run's last third began, so a
+    longer run would add more of the same; None with too few collectives."""
     rs = sorted(rows, key=lambda r: r["t"])
     if len(rs) < 30:
         return {"p50_by_third": None, "final_s": None, "settled_at_s": None, "span_s": None, "steady": None,
@@ -128,8 +130,9 @@ def trend(rows: list[dict], k: float) -> dict[str, Any]:
         if abs(percentiles(xs[i:i + w], (50,))["p50"] - final) > PLATEAU_BAND * final:
             settled = min(i + w, len(xs) - 1)
     at = ts[settled]
+    flat = thirds[2] <= FLAT_MAX * thirds[1]
     return {"p50_by_third": thirds, "final_s": final, "settled_at_s": round(at, 4), "span_s": round(ts[-1], 4),
-            "steady": at <= ts[-1] * 2 / 3, "n": len(xs)}
+            "flat": flat, "steady": flat or at <= ts[-1] * 2 / 3, "n": len(xs)}
 
 
 def queue_depth(topo) -> dict[str, Any]:
@@ -299,7 +302,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         "kv_class_bytes": {c: (nums.get(c) or {}).get("class_bytes", {}).get("kv") for c in CONDITIONS},
         "checks": chk, "conditions": nums, "dilation": run.dilation if run else None,
         "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN,
-                       "plateau_band": PLATEAU_BAND},
+                       "flat_last_over_middle_third_max": FLAT_MAX, "plateau_band": PLATEAU_BAND},
     }
     heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms, all collectives)",
                       p99[c] * 1e3 if p99[c] is not None else None) for c in CONDITIONS]
@@ -346,9 +349,11 @@ def _notes(nums: dict, chk: dict, queue: dict) -> list[str]:
         t = n.get("collective_trend") or {}
         if t.get("p50_by_third"):
             a, b, c = (x * 1e3 for x in t["p50_by_third"])
-            level = (f"it settled at {t['final_s'] * 1e3:.3g} ms from {t['settled_at_s']:.2f} s of its "
-                     f"{t['span_s']:.2f} s" + ("" if t["steady"] else ", in the run's last third: not yet a steady "
-                                               "state over the run, so its p99 depends on the run's length"))
+            level = ("flat: steady" if t["flat"] else
+                     f"it climbed and settled at {t['final_s'] * 1e3:.3g} ms from {t['settled_at_s']:.2f} s of its "
+                     f"{t['span_s']:.2f} s" + (": steady from then on" if t["steady"] else
+                                              ", in the run's last third: not a steady state over the run, so its "
+                                              "p99 depends on the run's length"))
             out.append(f"{cond}: collective median by third of the run {a:.3g}, {b:.3g}, {c:.3g} emulated ms; {level}.")
     for cond, n in nums.items():
         cb, coll = n["class_bytes"], n["collective_bytes"]
