@@ -37,6 +37,3 @@ class StoreIndex:
     def discard(self, key: Hashable) -> None:
         """A block the store could not give back (missing, corrupt): no longer a hit."""
         self.stored.discard(key)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.stored

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from emulators.nic import QUEUE_BYTES
 from testbed.measure import plots
 from testbed.measure.collectives import collective_rows
 from testbed.measure.metrics import percentiles
@@ -138,8 +139,6 @@ def trend(rows: list[dict], k: float) -> dict[str, Any]:
 def queue_depth(topo) -> dict[str, Any]:
     """How long one shaped CNIC's class queue takes to drain at the CNIC's rate: the most a FIFO
     behind a saturating load can add to a collective (testbed and emulated s)."""
-    from emulators.nic import QUEUE_BYTES
-
     testbed_s = QUEUE_BYTES * 8 / topo.cnic_bps
     return {"queue_bytes": QUEUE_BYTES, "cnic_bps": topo.cnic_bps, "drain_testbed_s": round(testbed_s, 4)}
 
