@@ -96,3 +96,6 @@ def online_run(path: Path, aps: float, rising: dict[str, bool], n: int = 60, dil
             rows[-1]["t_done"] = rows[-1]["t_first_token"] + 2.0 * dilation
         f.mode(mode, jct_s=50.0, records=rows)
     return f
+
+
+HEADLINE_KEYS = {"name", "testbed", "paper", "bound", "n", "ci95", "ci_method"}  # a summary's headline entry

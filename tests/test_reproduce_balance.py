@@ -4,9 +4,12 @@ import json
 
 import pytest
 
-from testbed.reproduce import reproduce_id
-from testbed.reproduce.fig13 import loaded_window, scheduler_config, snic_series
-from testbed.reproduce.fig14 import WINDOW_S, attention_series, attention_windows, balance_config
+from testbed.measure import plots
+
+from testbed.reproduce import fig13, fig14, reproduce_id
+from testbed.reproduce.common import MIN_LOADED, loaded_mean
+from testbed.reproduce.fig13 import draw_windows, mark_loaded, snic_series
+from testbed.reproduce.fig14 import WINDOW_S, attention_series, attention_windows
 from tests.reproduce_helpers import RunFolder, is_valid_png, plan_json
 
 QUIET = dict(command="test", run_id="x", progress=lambda m: None)
@@ -40,24 +43,31 @@ def test_snic_series_known_ratios():
     assert set(w["bytes"]) == set(NICS)
 
 
-def test_loaded_window_leaves_the_drain_out():
+def test_loaded_windows_leave_the_drain_out():
     ser = snic_series(links([1000, 1000, 1000]), dilation=K, window_s=1.0)
     cap = 3 * 1000 * K  # bytes per emulated second at the NICs' rate
-    a, b = loaded_window(ser, cap, window_s=1.0)
-    assert a == pytest.approx(0.0) and b == pytest.approx(20.0)  # 40 testbed s loaded = 20 emulated s
-    assert loaded_window(ser, None, window_s=1.0) == (a, b)  # relative to the busiest window: the same
-    assert loaded_window(ser, 10 * cap, window_s=1.0) == (a, b)  # never half that loaded: the busiest window's
+    pts = mark_loaded(ser, cap, window_s=1.0)
+    assert [p["loaded"] for p in pts] == [True] * 20 + [False] * (len(pts) - 20)  # 40 testbed s = 20 emulated s
+    assert [p["loaded"] for p in mark_loaded(ser, None, window_s=1.0)] == [p["loaded"] for p in pts]  # busiest's
+    assert not any(p["loaded"] for p in mark_loaded(ser, 10 * cap, window_s=1.0))  # never half that loaded: none
 
 
-def balance_run(path, unfaithful=False):
-    cfg = scheduler_config(True)
+def balance_run(path, cfg, unfaithful=False, skew=(2000, 500, 500)):
     f = RunFolder(path, dilation=K, topology="2p1d-io")
     rates = {n: RATE_BPS for n in NICS}
-    f.mode("dualpath-rr", snic_rates_bps=rates, links=links([2000, 500, 500]),
+    f.mode("dualpath-rr", snic_rates_bps=rates, links=links(list(skew)),
            passes=passes([1.0, 1.5, 1.0, 0.5], loaded_steps=6))
     f.mode("dualpath", faithful=not unfaithful, snic_rates_bps=rates, links=links([1000, 1000, 1000]),
            passes=passes([1.0, 1.0, 1.2, 0.8], loaded_steps=6))
     return f.write(plan=plan_json(cfg))
+
+
+def fig13_runs(root, unfaithful=False):
+    """One hand-built folder per run of fig13's quick plan (its seeds); the last seed less skewed."""
+    cfgs = fig13.plan(True).configs
+    for i, cfg in enumerate(cfgs):
+        balance_run(root / f"r{i}", cfg, unfaithful, skew=(2000, 500, 500) if i < len(cfgs) - 1 else (1500, 750, 750))
+    return root
 
 
 def passes(att, loaded_steps, steps=10):
@@ -79,17 +89,58 @@ def test_attention_series_pairs_kth_passes():
     assert ser[9]["max_over_avg"] == pytest.approx(0.4 / 0.25)  # unloaded tail: counted, not in the headline
 
 
-def test_fig13_from_a_run(tmp_path):
-    balance_run(tmp_path / "runs" / "r")
+def test_fig13_pools_its_seeds_and_its_headline_is_the_plotted_series(tmp_path):
+    fig13_runs(tmp_path / "runs")
     out, res = reproduce_id("fig13", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
     assert s["pngs"] == ["fig13.png"] and is_valid_png(out / "fig13.png") and s["faithful"] is True
+    assert s["complete"] and s["is_result"] and len(s["runs"]) == fig13.QUICK_SEEDS == 3
     h = {x["name"]: x for x in s["headline"]}
-    rr = h["+DualPath (round-robin): storage NIC max/avg, mean over the loaded window"]
-    dp = h["DualPath: storage NIC max/avg, mean over the loaded window"]
-    assert rr == {"name": rr["name"], "testbed": 2.0, "paper": 1.53, "bound": 1.0}
+    rr = h["+DualPath (round-robin): storage NIC max/avg, mean over the loaded windows"]
+    dp = h["DualPath: storage NIC max/avg, mean over the loaded windows"]
+    per_run = 20 / fig13.WINDOW_S  # 20 loaded emulated s per run
+    assert s["loaded_windows"] == {"dualpath-rr": 3 * per_run, "dualpath": 3 * per_run}
+    assert rr["testbed"] == pytest.approx((2.0 + 2.0 + 1.5) / 3, abs=1e-4) and rr["n"] == 3 * per_run and rr["paper"] == 1.53
+    lo, hi = rr["ci95"]
+    assert 1.5 <= lo < rr["testbed"] < hi <= 2.0 and rr["ci_method"].startswith("bootstrap")
     assert dp["testbed"] == pytest.approx(1.0) and dp["paper"] == 1.18
-    assert s["modes"]["dualpath"]["loaded_window"] == [pytest.approx(0.0), pytest.approx(20.0)]
+    for m, pts in s["series"].items():  # the headline is the mean of the loaded points the PNG draws
+        loaded = [p["value"] for p in pts if p["loaded"]]
+        assert h[f"{plots.label(m)}: storage NIC max/avg, mean over the loaded windows"]["testbed"] == \
+            pytest.approx(sum(loaded) / len(loaded), abs=1e-4)
+    report = (out / "report.md").read_text()
+    assert "95 % interval" in report and "the paper's 1.53 is below" in report
+
+
+def test_draw_windows_draws_exactly_the_points_the_headline_averages():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [{"t": 0.25 + 0.5 * i, "value": v, "loaded": i % 3 != 2, "run": i // 6} for i, v in
+           enumerate([1.2, 1.4, 3.0, 1.0, 1.6, 9.0, 1.1, 1.3, 5.0, 1.5, 1.1, 7.0])]
+    est = loaded_mean(pts)
+    assert est.value == pytest.approx((1.2 + 1.4 + 1.0 + 1.6 + 1.1 + 1.3 + 1.5 + 1.1) / 8) and est.n == 8
+    fig, ax = plt.subplots()
+    draw_windows(ax, {"dualpath": pts})
+    lines = [list(ln.get_ydata()) for ln in ax.lines]
+    assert lines == [[p["value"] for p in pts if p["run"] == r] for r in (0, 1)]  # one line per seed
+    dots = ax.collections[0].get_offsets()
+    assert sorted(float(y) for _, y in dots) == sorted(p["value"] for p in pts if p["loaded"])
+    plt.close(fig)
+
+
+def test_too_few_loaded_windows_is_not_a_result(tmp_path):
+    cfg = fig13.plan(True).configs[0]
+    f = RunFolder(tmp_path / "runs" / "r", dilation=K, topology="2p1d-io")
+    f.mode("dualpath", snic_rates_bps={n: RATE_BPS for n in NICS}, links=links([1000, 1000, 1000], seconds=8.0))
+    f.write(plan=plan_json(cfg))
+    out, res = reproduce_id("fig13", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["loaded_windows"]["dualpath"] == 8 < MIN_LOADED and s["is_result"] is False
+    assert any("8 loaded windows, fewer than 20" in x for x in s["shortfalls"])
+    assert "**Not a result.**" in (out / "report.md").read_text()
 
 
 def busy_passes(att, loaded_windows, windows=10):
@@ -117,16 +168,18 @@ def test_attention_windows_prorate_passes_and_mark_loaded_windows():
     assert not half[1]["loaded"] and half[1]["max_over_avg"] == pytest.approx(2.0)  # only a: 0.4 vs mean 0.2
 
 
-def balance_folder(path, unfaithful=False):
-    cfg = balance_config(True)
-    f = RunFolder(path, dilation=K, topology="2p1d-io")
-    f.mode("dualpath-rr", passes=busy_passes([1.0, 1.5, 1.0, 0.5], loaded_windows=6))
-    f.mode("dualpath", faithful=not unfaithful, passes=busy_passes([1.0, 1.0, 1.2, 0.8], loaded_windows=6))
-    return f.write(plan=plan_json(cfg))
+def balance_folders(root, unfaithful=False):
+    """One hand-built folder per run of fig14's quick plan (its seeds)."""
+    for i, cfg in enumerate(fig14.plan(True).configs):
+        f = RunFolder(root / f"r{i}", dilation=K, topology="2p1d-io")
+        f.mode("dualpath-rr", passes=busy_passes([1.0, 1.5, 1.0, 0.5], loaded_windows=6))
+        f.mode("dualpath", faithful=not unfaithful, passes=busy_passes([1.0, 1.0, 1.2, 0.8], loaded_windows=6))
+        f.write(plan=plan_json(cfg))
+    return root
 
 
 def test_fig14_from_its_run(tmp_path):
-    balance_folder(tmp_path / "runs" / "r")
+    balance_folders(tmp_path / "runs")
     out, res = reproduce_id("fig14", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
     assert s["pngs"] == ["fig14.png"] and is_valid_png(out / "fig14.png") and s["faithful"] is True
@@ -135,28 +188,31 @@ def test_fig14_from_its_run(tmp_path):
     assert dp["testbed"] == pytest.approx(1.2) and dp["paper"] == 1.06 and dp["bound"] == 1.0
     assert h["+DualPath (round-robin): attention max/avg across PEs, mean over loaded windows"]["testbed"] == \
         pytest.approx(1.5)
-    assert h["DualPath: loaded windows (count)"]["testbed"] == 6 / WINDOW_S  # 6 loaded emulated seconds
+    assert dp["n"] == 3 * 6 / WINDOW_S == s["loaded_windows"]["dualpath"]  # 6 loaded emulated seconds per seed
+    assert s["is_result"] and all(p["loaded"] == (p["t"] < 6) for p in s["series"]["dualpath"])
 
 
 def test_fig14_has_its_own_compute_loaded_run():
     from testbed.reproduce.fig14 import APPEND_SCALE
 
-    cfg, sched = balance_config(True), scheduler_config(True)
+    cfg, sched = fig14.balance_config(True), fig13.scheduler_config(True)
     assert cfg.digest() != sched.digest() and cfg.workload.append_scale == APPEND_SCALE > 1
     assert cfg.topology == sched.topology and cfg.topology_overrides == sched.topology_overrides
 
 
 @pytest.mark.parametrize("fig", ["fig13", "fig14"])
 def test_unfaithful_run_makes_the_figure_unfaithful(tmp_path, fig):
-    (balance_run if fig == "fig13" else balance_folder)(tmp_path / "runs" / "r", unfaithful=True)
+    (fig13_runs if fig == "fig13" else balance_folders)(tmp_path / "runs", unfaithful=True)
     out, _ = reproduce_id(fig, quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
-    assert s["faithful"] is False and s["runs"][0]["unfaithful"] == {"dualpath": ["1 of 9 prefill passes overran (hand-built)"]}
+    assert s["faithful"] is False and s["is_result"] is False
+    assert s["runs"][0]["unfaithful"] == {"dualpath": ["1 of 9 prefill passes overran (hand-built)"]}
 
 
 def test_a_plain_dualpath_run_folder_is_accepted(tmp_path):
     """The README's scheduler experiment, run by hand (no plan.json), feeds fig13 directly."""
-    balance_run(tmp_path / "r")
+    balance_run(tmp_path / "r", fig13.scheduler_config(True))
     (tmp_path / "r" / "plan.json").unlink()
-    out, _ = reproduce_id("fig13", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "r"], **QUIET)
+    out, _ = reproduce_id("fig13", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "r"], seeds=1,
+                          **QUIET)
     assert json.loads((out / "summary.json").read_text())["complete"] is True

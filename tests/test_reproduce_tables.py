@@ -5,7 +5,7 @@ import pytest
 
 from testbed.reproduce import reproduce_id
 from testbed.reproduce import table1, table2
-from tests.reproduce_helpers import is_valid_png
+from tests.reproduce_helpers import HEADLINE_KEYS, is_valid_png
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +20,11 @@ def test_table1_summary_interface(t1):
     assert s["id"] == "table1" and s["faithful"] is True
     assert s["pngs"] == ["table1.png"] and is_valid_png(out / "table1.png")
     for h in s["headline"]:
-        assert set(h) == {"name", "testbed", "paper", "bound"} and h["bound"] is None
+        assert set(h) == HEADLINE_KEYS and h["bound"] is None and h["n"] is None and h["ci95"] is None
     assert {tuple(sorted(r)) for r in s["rows"]} == {("append_tokens", "context_tokens", "gb_per_pflop", "model", "paper")}
     assert {r["model"] for r in s["rows"]} == {"deepseek-v3", "deepseek-v3.2", "qwen2.5-32b", "ds-27b"}
     report = (out / "report.md").read_text()
-    assert "Produced by `test`" in report and "| quantity | testbed | paper | bound |" in report
+    assert "Produced by `test`" in report and "| quantity | testbed | 95 % interval | n | paper | bound |" in report
 
 
 @pytest.mark.parametrize("model", ["deepseek-v3.2", "qwen2.5-32b"])
@@ -64,7 +64,7 @@ def test_table2_summary_and_png(t2):
     assert "divided by 32" in s["scale_down"] and "divided by 32" in (out / "report.md").read_text()
     assert [p["preset"] for p in s["presets"]] == ["32K", "48K", "64K"]
     for h in s["headline"]:
-        assert set(h) == {"name", "testbed", "paper", "bound"}
+        assert set(h) == HEADLINE_KEYS
 
 
 def test_table2_matches_the_paper_within_its_tolerances(t2):

@@ -20,9 +20,11 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
                                                         "of them) instead of running; repeatable"),
               fresh: bool = typer.Option(False, help="run again even where a FAITHFUL run of the same config exists"),
               seed: int = typer.Option(0, min=0, max=1_000_000, help="offset every run's workload and arrival "
-                                       "seeds by this: the figure on workloads no committed run saw")) -> None:
+                                       "seeds by this: the figure on workloads no committed run saw"),
+              seeds: Optional[int] = typer.Option(None, min=1, max=20, help="repeat every run on N workloads and pool "
+                                                  "them (fig13 and fig14; default: 3 at --quick, 1 at full size)")) -> None:
     """Reproduce one table or figure of the paper: summary.json, PNGs and report.md."""
-    from testbed.reproduce import IDS, UnknownId, module, reproduce_id
+    from testbed.reproduce import IDS, UnknownId, id_plan, reproduce_id
     from testbed.measure.runs import RunError
 
     if list_ids:
@@ -32,8 +34,8 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
     if not fig:
         _fail("reproduce: name an id (dualpath reproduce --list)")
     try:
-        plan = module(fig).plan(quick).with_seed(seed)
-    except UnknownId as e:
+        plan = id_plan(fig, quick, seed, seeds)
+    except (UnknownId, ValueError) as e:
         _fail(f"reproduce: {e}")
     if plan_only:
         for line in plan.lines():
@@ -45,18 +47,23 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
             typer.echo(line)
     try:
         folder, result = reproduce_id(fig, quick=quick, out_root=out, command=" ".join(["dualpath", *sys.argv[1:]]),
-                                      run_folders=runs, fresh=fresh, progress=typer.echo, seed=seed)
+                                      run_folders=runs, fresh=fresh, progress=typer.echo, seed=seed,
+                                      seeds=seeds)
     except RunError as e:
         _fail(f"reproduce: {e}")
     for h in result.headline:
         def f(v):
             return "—" if v is None else f"{v:.4g}"
-        typer.echo(f"  {h.name}: testbed {f(h.testbed)}, paper {f(h.paper)}, bound {f(h.bound)}")
+        ci = f" [{f(h.ci95[0])}, {f(h.ci95[1])}]" if h.ci95 else ""
+        n = f" (n = {h.n})" if h.n is not None else ""
+        typer.echo(f"  {h.name}: testbed {f(h.testbed)}{ci}{n}, paper {f(h.paper)}, bound {f(h.bound)}")
     verdict = ("no runs needed" if result.no_runs_needed else "FAITHFUL" if result.faithful else
                "NOT FAITHFUL" if result.used else "no run available")
     typer.echo(f"{fig}: {verdict}")
+    for why in result.shortfalls:
+        typer.echo(f"  not a result: {why}")
     for why in sorted(set(result.missing.values())):
         keys = [k for k, v in result.missing.items() if v == why]
         typer.echo(f"  incomplete: {len(keys)} run(s) missing ({', '.join(keys)}): {why}")
     typer.echo(f"results: {folder}/summary.json, report.md, {', '.join(result.pngs) or 'no figure'}")
-    raise typer.Exit(0 if (result.faithful and not result.missing) else 1)
+    raise typer.Exit(0 if result.is_result else 1)

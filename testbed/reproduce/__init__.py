@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from testbed.reproduce.plan import SEED_KEY
+
 import importlib
 import time
 from pathlib import Path
@@ -34,6 +36,20 @@ def module(fig_id: str):
     if fig_id not in IDS:
         raise UnknownId(f"unknown id {fig_id!r}; choose one of {', '.join(IDS)} (dualpath reproduce --list)")
     return importlib.import_module(f"testbed.reproduce.{fig_id.replace('-', '_')}")
+
+
+def id_plan(fig_id: str, quick: bool = False, seed: int = 0, seeds: int | None = None):
+    """The id's plan at its size, repeated on `seeds` workloads (None: the id's own default) and
+    offset by `seed`. Only ids that pool repeats (POOLS_SEEDS) take more than one seed."""
+    mod = module(fig_id)
+    plan = mod.plan(quick)
+    if seeds is not None:
+        if seeds > 1 and not getattr(mod, "POOLS_SEEDS", False):
+            pooling = ", ".join(i for i in IDS if getattr(module(i), "POOLS_SEEDS", False))
+            raise ValueError(f"{fig_id} does not pool runs over seeds; --seeds > 1 is for {pooling} "
+                             f"(--seed N runs any id on other workloads)")
+        plan = plan.with_seeds(seeds)
+    return plan.with_seed(seed)
 
 
 def match_runs(plan, runs) -> tuple[dict, list]:
@@ -55,7 +71,9 @@ def match_runs(plan, runs) -> tuple[dict, list]:
     for r in runs:
         if r.plan or id(r) in taken:
             continue
-        fits = [c for c in plan.configs if c.key not in by_key and not c.online and _fits(c, r)]
+        # a plain run is of the plan's own workloads, not of a repeat on another seed
+        fits = [c for c in plan.configs if c.key not in by_key and not c.online and SEED_KEY not in c.key
+                and _fits(c, r)]
         if len({c.digest() for c in fits}) == 1:
             for c in fits:
                 by_key[c.key] = r
@@ -80,14 +98,16 @@ def _fits(cfg, run) -> bool:
 
 def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",
                  run_folders: Iterable[Path] | None = None, fresh: bool = False,
-                 progress: Callable[[str], None] = print, run_id: str | None = None, seed: int = 0):
+                 progress: Callable[[str], None] = print, run_id: str | None = None, seed: int = 0,
+                 seeds: int | None = None):
     """Reproduce one id; returns (output folder, Result). With `run_folders`, analyse those
     (nothing runs); otherwise execute the plan's runs first (needs root and the testbed).
-    `seed` offsets every run's seeds (Plan.with_seed): workloads no committed run saw."""
+    `seed` offsets every run's seeds (Plan.with_seed): workloads no committed run saw; `seeds`
+    repeats every run on that many workloads (id_plan)."""
     from testbed.measure.runs import find_runs
 
     mod = module(fig_id)
-    plan = mod.plan(quick).with_seed(seed)
+    plan = id_plan(fig_id, quick, seed, seeds)
     runs, missing = {}, {}
     if plan.configs:
         if run_folders is not None:
@@ -115,7 +135,7 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
         result.scale_down = plan.scale_down
     lines = []
     if plan.configs:
-        other = mod.plan(not quick).with_seed(seed)
+        other = id_plan(fig_id, not quick, seed, seeds)
         lines = plan.lines() + [f"({'full' if quick else 'quick'} size: {len(other.configs)} run(s), estimated "
                                 f"{other.estimate_s() / 60:.1f} min; `dualpath reproduce {fig_id}"
                                 f"{'' if quick else ' --quick'} --plan` lists them)"]

@@ -3,8 +3,8 @@
 summary.json (the interface the checks read):
   id, title, command, quick, faithful (true only if every run it used was FAITHFUL, in every mode
   it used), complete (every run the plan needs was there), missing {config key: why},
-  pngs (paths relative to the folder), headline [{name, testbed, paper, bound}] with null where
-  there is none, scale_down, runs [{key, path, modes, faithful, unfaithful}], plan, and the id's
+  pngs (paths relative to the folder), headline [{name, testbed, paper, bound, n, ci95, ci_method}]
+  with null where there is none (n: the samples behind a measured number; ci95: its 95 % interval), scale_down, runs [{key, path, modes, faithful, unfaithful}], plan, and the id's
   own data (table1: rows; figures: the series they plot).
 report.md: the producing command, the scale-down, the verdict, a table of every headline number
 (testbed, paper, bound side by side), notes, the runs used and the figures.
@@ -26,9 +26,72 @@ class Headline:
     testbed: float | None
     paper: float | None = None
     bound: float | None = None
+    n: int | None = None  # the samples (windows, agents, collectives) behind a measured number
+    ci95: tuple[float, float] | None = None
+    ci_method: str | None = None  # how ci95 was computed, in words
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound)}
+        ci = [_num(self.ci95[0]), _num(self.ci95[1])] if self.ci95 else None
+        return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound),
+                "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci else None}
+
+    def paper_in_words(self) -> str | None:
+        """Whether the paper's value lies inside the 95 % interval, as a sentence (None without both)."""
+        if self.paper is None or not self.ci95:
+            return None
+        lo, hi = self.ci95
+        where = "inside" if lo <= self.paper <= hi else "below" if self.paper < lo else "above"
+        return (f"{self.name}: the paper's {fmt(self.paper)} is {where} the testbed's 95 % interval "
+                f"[{fmt(lo)}, {fmt(hi)}] (n = {self.n}).")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A measured mean with its sample count and 95 % interval."""
+
+    value: float | None
+    n: int
+    ci95: tuple[float, float] | None
+    method: str
+
+
+def bootstrap_ci(xs: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95 % percentile-bootstrap interval of the mean (None below two samples); seeded, so a report
+    made twice from the same runs says the same."""
+    import numpy as np
+
+    a = np.asarray([x for x in xs if x is not None], dtype=float)
+    if a.size < 2:
+        return None
+    means = np.random.default_rng(seed).choice(a, size=(reps, a.size), replace=True).mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+# Student-t 97.5 % quantiles for 1..30 degrees of freedom; the normal's beyond
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_interval(xs: Sequence[float]) -> tuple[float, float] | None:
+    """95 % Student-t interval of the mean (None below two samples): for one number per seed."""
+    xs = [float(x) for x in xs if x is not None]
+    n = len(xs)
+    if n < 2:
+        return None
+    m = sum(xs) / n
+    sem = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+    q = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return m - q * sem, m + q * sem
+
+
+MIN_LOADED = 20  # windows behind a per-window headline, at least (DESIGN §9)
+
+
+def loaded_mean(series: Sequence[dict]) -> Estimate:
+    """The headline of a per-window series: the mean `value` of its points with `loaded` true, their
+    count, and a bootstrap over those windows. Figures 13 and 14 draw exactly these points."""
+    xs = [p["value"] for p in series if p.get("loaded") and p.get("value") is not None]
+    return Estimate(mean(xs), len(xs), bootstrap_ci(xs), "bootstrap over loaded windows (2,000 resamples)")
 
 
 def _num(v: float | None) -> float | None:
@@ -74,6 +137,12 @@ class Result:
     missing: dict[str, str] = field(default_factory=dict)
     no_runs_needed: bool = False  # table1, table2: nothing to be faithful about
     sections: list[str] = field(default_factory=list)  # extra markdown for report.md (e.g. the table itself)
+    shortfalls: list[str] = field(default_factory=list)  # why a headline is not a result (e.g. too few windows)
+
+    @property
+    def is_result(self) -> bool:
+        """FAITHFUL, complete, and every headline on enough samples (DESIGN §9)."""
+        return self.faithful and not self.missing and not self.shortfalls
 
     @property
     def faithful(self) -> bool:
@@ -86,6 +155,7 @@ class Result:
     def summary(self, command: str, quick: bool, plan: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": self.id, "title": self.title, "command": command, "quick": quick,
                 "faithful": self.faithful, "complete": not self.missing, "missing": self.missing,
+                "is_result": self.is_result, "shortfalls": self.shortfalls,
                 "pngs": list(self.pngs), "headline": [h.to_dict() for h in self.headline],
                 "scale_down": self.scale_down, "notes": self.notes,
                 "runs": [u.to_dict() for u in self.used], "plan": plan, **self.data}
@@ -115,14 +185,25 @@ class Result:
                 for m, reasons in u.run.unfaithful(u.modes).items():
                     out.append(f"- {u.key} / {m}: " + "; ".join(reasons))
             out.append("")
+        if self.shortfalls:
+            out += ["**Not a result.** The headline rests on too few samples:", ""]
+            out += [f"- {x}" for x in self.shortfalls]
+            out.append("")
         if self.missing:
             out += ["**Incomplete.** These runs were not available:", ""]
             out += [f"- {k}: {why}" for k, why in self.missing.items()]
             out.append("")
-        out += ["## Headline numbers", "", "| quantity | testbed | paper | bound |", "| --- | --- | --- | --- |"]
+        out += ["## Headline numbers", "", "| quantity | testbed | 95 % interval | n | paper | bound |",
+                "| --- | --- | --- | --- | --- | --- |"]
         for h in self.headline:
-            out.append(f"| {h.name} | {fmt(h.testbed)} | {fmt(h.paper)} | {fmt(h.bound)} |")
+            ci = f"[{fmt(h.ci95[0])}, {fmt(h.ci95[1])}]" if h.ci95 else "—"
+            out.append(f"| {h.name} | {fmt(h.testbed)} | {ci} | {h.n if h.n is not None else '—'} | {fmt(h.paper)} "
+                       f"| {fmt(h.bound)} |")
         out.append("")
+        methods = sorted({h.ci_method for h in self.headline if h.ci95 and h.ci_method})
+        words = [w for w in (h.paper_in_words() for h in self.headline) if w]
+        if methods or words:
+            out += [f"Intervals: {'; '.join(methods)}." if methods else ""] + [f"- {w}" for w in words] + [""]
         if self.sections:
             out += list(self.sections) + [""]
         if self.notes:
@@ -178,6 +259,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b:
         return None
     return a / b
+
+
+def replicas(runs: dict[str, Run], key: str) -> list[tuple[str, Run]]:
+    """A run and its repeats on other seeds (Plan.with_seeds) that are present, by seed offset."""
+    from testbed.reproduce.plan import SEED_KEY
+
+    reps = [(0, key, runs[key])] if key in runs else []
+    reps += [(int(k[len(key) + len(SEED_KEY):]), k, r) for k, r in runs.items()
+             if k.startswith(key + SEED_KEY) and k[len(key) + len(SEED_KEY):].isdigit()]
+    return [(k, r) for _, k, r in sorted(reps, key=lambda x: x[0])]
 
 
 def pick(runs: dict[str, Run], keys: Sequence[str]) -> dict[str, Run]:

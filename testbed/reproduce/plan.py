@@ -132,6 +132,7 @@ class Plan:
     scale_down: str
     notes: list[str] = field(default_factory=list)
     search: OnlineSearch | None = None
+    seeds: int = 1  # workloads each run is repeated on (with_seeds)
 
     @property
     def needs_online(self) -> bool:
@@ -149,17 +150,25 @@ class Plan:
             return self
         if offset < 0:
             raise ValueError(f"a seed offset is >= 0, not {offset}")
-
-        def moved(c: RunConfig) -> RunConfig:
-            return replace(c, workload=replace(c.workload, seed=c.workload.seed + offset),
-                           online=replace(c.online, seed=c.online.seed + offset) if c.online else None,
-                           trace=replace(c.trace, seed=c.trace.seed + offset) if c.trace else None)
-
         note = f"every run's workload and arrival seeds offset by {offset} (--seed {offset})"
-        return replace(self, configs=[moved(c) for c in self.configs], notes=[*self.notes, note])
+        return replace(self, configs=[_moved(c, offset) for c in self.configs], notes=[*self.notes, note])
+
+    def with_seeds(self, n: int) -> "Plan":
+        """Every run repeated on `n` workloads (seeds +0 .. +n-1), for analyses that pool them
+        (`replica_keys`). The repeats' keys are the run's key with SEED_KEY and the offset."""
+        if n < 1:
+            raise ValueError(f"--seeds is at least 1, not {n}")
+        if n > 1 and self.needs_online:
+            raise ValueError(f"{self.id} searches an APS bracket per mode; it does not repeat its runs over seeds")
+        base = [c for c in self.configs if SEED_KEY not in c.key]
+        reps = [replace(_moved(c, i), key=f"{c.key}{SEED_KEY}{i}") for i in range(1, n) for c in base]
+        notes = [x for x in self.notes if not x.startswith("every run repeated on")]
+        if n > 1:
+            notes.append(f"every run repeated on {n} workloads (seeds +0 to +{n - 1}) and pooled")
+        return replace(self, configs=base + reps, seeds=n, notes=notes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "quick": self.quick, "scale_down": self.scale_down, "notes": self.notes,
+        return {"id": self.id, "quick": self.quick, "scale_down": self.scale_down, "notes": self.notes, "seeds": self.seeds,
                 "needs_online_runner": self.needs_online,
                 "search": asdict(self.search) if self.search else None,
                 "configs": [{**c.to_dict(), "digest": c.digest(), "estimate_s": estimate(c)["total_s"]}
@@ -190,6 +199,21 @@ class Plan:
                        f"runs to {self.search.rel_tol:.0%} of the highest APS under the SLO")
         out += [f"  note: {n}" for n in self.notes]
         return out
+
+
+SEED_KEY = "#seed+"  # a repeated run's key: "<key>#seed+<offset>"
+
+
+def replica_keys(key: str, seeds: int) -> list[str]:
+    """The keys of a run and its repeats on other seeds (Plan.with_seeds)."""
+    return [key] + [f"{key}{SEED_KEY}{i}" for i in range(1, seeds)]
+
+
+def _moved(c: RunConfig, offset: int) -> RunConfig:
+    """The config on other workloads: its workload's (or trace's) and arrivals' seeds + offset."""
+    return replace(c, workload=replace(c.workload, seed=c.workload.seed + offset),
+                   online=replace(c.online, seed=c.online.seed + offset) if c.online else None,
+                   trace=replace(c.trace, seed=c.trace.seed + offset) if c.trace else None)
 
 
 def _dur(s: float) -> str:
