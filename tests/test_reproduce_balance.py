@@ -197,7 +197,7 @@ def test_fig14_has_its_own_compute_loaded_run():
 
     cfg, sched = fig14.balance_config(True), fig13.scheduler_config(True)
     assert cfg.digest() != sched.digest() and cfg.workload.append_scale == APPEND_SCALE > 1
-    assert cfg.topology == sched.topology and cfg.topology_overrides == sched.topology_overrides
+    assert cfg.topology == sched.topology and cfg.topology_overrides["scale"] < sched.topology_overrides["scale"]
 
 
 @pytest.mark.parametrize("fig", ["fig13", "fig14"])
