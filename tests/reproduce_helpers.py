@@ -98,4 +98,4 @@ def online_run(path: Path, aps: float, rising: dict[str, bool], n: int = 60, dil
     return f
 
 
-HEADLINE_KEYS = {"name", "testbed", "paper", "bound", "n", "ci95", "ci_method"}  # a summary's headline entry
+HEADLINE_KEYS = {"name", "testbed", "paper", "bound", "n", "ci95", "ci_method", "interval"}  # a summary's headline entry

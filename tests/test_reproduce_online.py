@@ -54,13 +54,32 @@ def test_a_drain_after_the_last_agent_arrived_does_not_read_as_steady():
     assert v["ttft_ok"] and not v["steady"] and not v["meets"]
 
 
-def test_a_storage_nic_that_never_idles_fails_the_slo_with_flat_ttfts():
-    """fig10 --quick: basic's TTFTs stayed under 1 s at 3.76 APS while its PE's SNIC was 99.4 % busy."""
+def test_saturation_is_reported_beside_the_slo_not_in_it():
+    """fig10 --quick: basic's TTFTs stayed under 1 s at 3.76 APS while its PE's SNIC was 99.4 % busy.
+    The verdict is the SLO's (issue 37); the saturation is said beside it."""
     flat = reqs([0.5, 0.6] * 40)
     hot = online.slo_verdict(flat, busy={"dpt-p0/snic": 0.994, "dpt-d0/snic": 0.04})
-    assert hot["steady"] and hot["ttft_ok"] and hot["saturated"] and not hot["meets"]
-    assert any("dpt-p0/snic busy 99.4%" in r for r in hot["reasons"])
-    assert online.slo_verdict(flat, busy={"dpt-p0/snic": 0.89})["meets"]
+    assert hot["steady"] and hot["ttft_ok"] and hot["saturated"] and hot["meets"]
+    assert "dpt-p0/snic busy 99.4%" in hot["saturation"] and not hot["reasons"]
+    assert online.slo_verdict(flat, busy={"dpt-p0/snic": 0.89})["saturation"] is None
+
+
+def test_agreement_names_the_runs_where_saturation_and_the_slo_disagree():
+    def pt(aps, meets, sat):
+        return {"aps": aps, "meets_slo": meets, "verdict": {"saturation": "saturated: x" if sat else None,
+                                                            "storage_busy": {"x": 0.5}, "reasons": ["r"]}}
+
+    cur = {"basic": [pt(1, True, False), pt(2, False, True)], "dualpath": [pt(1, True, True), pt(2, False, False)]}
+    assert online.agreement(cur) == ["dualpath at 1 APS met the SLO while saturated: x",
+                                     "dualpath at 2 APS failed the SLO (r) with no storage NIC saturated"]
+    assert online.agreement({"basic": cur["basic"]}) == []
+
+
+def test_brackets_and_the_ratio_interval():
+    assert online.bracket([(1, True), (2, True), (2.2, False), (3, False)]) == {"met": 2, "failed": 2.2}
+    assert online.bracket([(1, True)]) == {"met": 1, "failed": None}
+    assert online.ratio_interval({"met": 3, "failed": 4}, {"met": 2, "failed": 3}) == (1.0, 2.0)
+    assert online.ratio_interval({"met": 3, "failed": None}, {"met": 2, "failed": 3}) is None
 
 
 def test_storage_busy_is_each_nics_busiest_direction_over_the_measured_span(tmp_path):
@@ -142,9 +161,14 @@ def test_fig10_capacities_from_the_runs(tmp_path):
     out, res = reproduce_id("fig10", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = json.loads((out / "summary.json").read_text())
     assert s["capacity_aps"] == {"basic": 2.0, "dualpath": 3.0} and s["complete"] is True
+    assert s["capacity"] == {"basic": {"met": 2.0, "failed": 3.0}, "dualpath": {"met": 3.0, "failed": 4.0}}
     h = {x["name"]: x for x in s["headline"]}
     ratio = next(v for k, v in h.items() if k.startswith("DualPath / Basic"))
     assert ratio["testbed"] == pytest.approx(1.5) and ratio["paper"] == 1.67 and ratio["bound"] == 2.0
+    assert ratio["interval"] == [1.0, 2.0]  # [3 / 3, 4 / 2]: what the two brackets allow
+    report = (out / "report.md").read_text()
+    assert "bracket [1, 2]" in report and "The paper's 1.67x (DS 27B) is inside the ratio's bracket" in report
+    assert "basic: met the SLO at 2 APS and failed at 3 (bracket 50% of met, wider than 10%" in report
     assert s["pngs"] == ["fig10_ttft.png", "fig10_ttst.png", "fig10_tpot.png"]
     assert all(is_valid_png(out / p) for p in s["pngs"]) and s["faithful"] is True
     basic = {p["aps"]: p for p in s["curves"]["basic"]}

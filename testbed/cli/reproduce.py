@@ -22,7 +22,10 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
               seed: int = typer.Option(0, min=0, max=1_000_000, help="offset every run's workload and arrival "
                                        "seeds by this: the figure on workloads no committed run saw"),
               seeds: Optional[int] = typer.Option(None, min=1, max=20, help="repeat every run on N workloads and pool "
-                                                  "them (fig13 and fig14; default: 3 at --quick, 1 at full size)")) -> None:
+                                                  "them (fig13 and fig14; default: 3 at --quick, 1 at full size)"),
+              archive: bool = typer.Option(False, "--archive", help="copy the runs it uses, compactly, to "
+                                           "OUT/<id>/runs/ and analyse those, so the report names paths that can be "
+                                           "committed with it")) -> None:
     """Reproduce one table or figure of the paper: summary.json, PNGs and report.md."""
     from testbed.reproduce import IDS, UnknownId, id_plan, reproduce_id
     from testbed.measure.runs import RunError
@@ -48,7 +51,7 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
     try:
         folder, result = reproduce_id(fig, quick=quick, out_root=out, command=" ".join(["dualpath", *sys.argv[1:]]),
                                       run_folders=runs, fresh=fresh, progress=typer.echo, seed=seed,
-                                      seeds=seeds)
+                                      seeds=seeds, archive=archive)
     except RunError as e:
         _fail(f"reproduce: {e}")
     for h in result.headline:

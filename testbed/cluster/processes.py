@@ -290,8 +290,25 @@ class Cluster:
             await c.call("connect", peers=engines if name in hosts else hosts, timeout_s=30)
 
     def run(self, coro):
-        """Run a coroutine of the conductor on the cluster's event loop."""
-        return self.loop.run_until_complete(coro)
+        """Run a coroutine of the conductor on the cluster's event loop. On Ctrl-C its tasks are
+        cancelled and drained before the cluster goes down, so that none is left to fail later
+        against a torn-down cluster and print a traceback when it is collected."""
+        task = self.loop.create_task(coro)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                try:
+                    self.loop.run_until_complete(asyncio.wait(pending, timeout=5))
+                except BaseException:  # a second Ctrl-C: go down now
+                    pass
+            for t in pending:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: its error is the interrupt's consequence, not news
+            raise
 
     def stop(self) -> None:
         """Every step runs even if one before it raised; the first error is raised after. A

@@ -198,3 +198,30 @@ def _is_run(p: Path) -> bool:
 
 def write_plan(run_dir: Path, plan: dict[str, Any]) -> None:
     (Path(run_dir) / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+
+
+KEPT_FILES = ("summary.json", "plan.json", "report.md")  # copied as they are; every *.jsonl is gzipped
+
+
+def archive_run(run: Run, dest_root: Path) -> Run:
+    """A compact copy of a run folder under dest_root/<its folder name>: summary, plan and report
+    as they are, each .jsonl gzip-compressed (what the repository keeps for the runs its reports
+    use; `_jsonl` reads them the same). An existing copy is replaced."""
+    import shutil
+
+    src, dest = Path(run.path), Path(dest_root) / Path(run.path).name
+    if src.resolve() == dest.resolve():
+        return run
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.name in KEPT_FILES:
+            shutil.copy2(f, dest / f.name)
+        elif f.name.endswith(".jsonl"):
+            with open(f, "rb") as a, gzip.open(dest / (f.name + ".gz"), "wb", compresslevel=9) as b:
+                shutil.copyfileobj(a, b)
+        elif f.name.endswith(".jsonl.gz"):
+            shutil.copy2(f, dest / f.name)
+    return load_run(dest)
+

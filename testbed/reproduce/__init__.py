@@ -99,11 +99,13 @@ def _fits(cfg, run) -> bool:
 def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",
                  run_folders: Iterable[Path] | None = None, fresh: bool = False,
                  progress: Callable[[str], None] = print, run_id: str | None = None, seed: int = 0,
-                 seeds: int | None = None):
+                 seeds: int | None = None, archive: bool = False):
     """Reproduce one id; returns (output folder, Result). With `run_folders`, analyse those
     (nothing runs); otherwise execute the plan's runs first (needs root and the testbed).
     `seed` offsets every run's seeds (Plan.with_seed): workloads no committed run saw; `seeds`
-    repeats every run on that many workloads (id_plan)."""
+    repeats every run on that many workloads (id_plan). `archive`: copy every run it uses, compactly,
+    to <out_root>/<id>/runs/ and analyse those copies, so that the report names paths that can be
+    committed with it (measure.runs.archive_run)."""
     from testbed.measure.runs import find_runs
 
     mod = module(fig_id)
@@ -127,6 +129,10 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
             extra = {"runner": mod.run_config} if hasattr(mod, "run_config") else {}
             runs, missing = execute(plan, Path(out_root) / "runs", command=command, progress=progress, fresh=fresh,
                                     **extra)
+    if archive:
+        from testbed.measure.runs import archive_run
+
+        runs = {k: archive_run(r, Path(out_root) / fig_id / "runs") for k, r in runs.items()}
     out = Path(out_root) / fig_id / (run_id or time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     result = mod.reproduce(runs, out, quick=quick)

@@ -29,11 +29,13 @@ class Headline:
     n: int | None = None  # the samples (windows, agents, collectives) behind a measured number
     ci95: tuple[float, float] | None = None
     ci_method: str | None = None  # how ci95 was computed, in words
+    interval: tuple[float, float] | None = None  # what a bracketed search allows (not a confidence interval)
 
     def to_dict(self) -> dict[str, Any]:
         ci = [_num(self.ci95[0]), _num(self.ci95[1])] if self.ci95 else None
         return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound),
-                "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci else None}
+                "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci else None,
+                "interval": [_num(self.interval[0]), _num(self.interval[1])] if self.interval else None}
 
     def paper_in_words(self) -> str | None:
         """Whether the paper's value lies inside the 95 % interval, as a sentence (None without both)."""
@@ -196,7 +198,8 @@ class Result:
         out += ["## Headline numbers", "", "| quantity | testbed | 95 % interval | n | paper | bound |",
                 "| --- | --- | --- | --- | --- | --- |"]
         for h in self.headline:
-            ci = f"[{fmt(h.ci95[0])}, {fmt(h.ci95[1])}]" if h.ci95 else "—"
+            ci = (f"[{fmt(h.ci95[0])}, {fmt(h.ci95[1])}]" if h.ci95 else
+                  f"bracket [{fmt(h.interval[0])}, {fmt(h.interval[1])}]" if h.interval else "—")
             out.append(f"| {h.name} | {fmt(h.testbed)} | {ci} | {h.n if h.n is not None else '—'} | {fmt(h.paper)} "
                        f"| {fmt(h.bound)} |")
         out.append("")
