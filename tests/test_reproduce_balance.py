@@ -190,6 +190,8 @@ def test_fig14_from_its_run(tmp_path):
         pytest.approx(1.5)
     assert dp["n"] == 3 * 6 / WINDOW_S == s["loaded_windows"]["dualpath"]  # 6 loaded emulated seconds per seed
     assert s["is_result"] and all(p["loaded"] == (p["t"] < 6) for p in s["series"]["dualpath"])
+    assert s["modes"]["dualpath"]["loaded_share"] == pytest.approx(0.6)  # 6 loaded s of a 10 s JCT, per seed
+    assert "60% of the runs' JCT." in (out / "report.md").read_text()
 
 
 def test_fig14_has_its_own_compute_loaded_run():
@@ -216,3 +218,16 @@ def test_a_plain_dualpath_run_folder_is_accepted(tmp_path):
     out, _ = reproduce_id("fig13", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "r"], seeds=1,
                           **QUIET)
     assert json.loads((out / "summary.json").read_text())["complete"] is True
+
+
+def test_run_report_says_when_a_balance_rests_on_too_few_steps():
+    from testbed.measure.report import _balance_lines
+
+    def summary(steps):
+        fwd = {"steps": steps, "median": 1.01, "max": 1.2}
+        return {"modes": {"dualpath": {"snic_max_over_avg": 1.1, "forward_attention_max_over_avg": fwd,
+                                       "forward_attention_wall_max_over_avg": None, "forward_batches": 9,
+                                       "chunked_requests": 0, "paths": {}}}}
+
+    assert "5 steps, fewer than 20: not a result" in _balance_lines(summary(5))[1]
+    assert "25 steps)" in _balance_lines(summary(25))[1] and "not a result" not in _balance_lines(summary(25))[1]

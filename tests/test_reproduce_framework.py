@@ -367,3 +367,34 @@ def test_archive_keeps_a_compact_copy_that_reads_the_same(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert all(r["path"].startswith(str(tmp_path / "out" / "fig14" / "runs")) for r in s["runs"]) and len(s["runs"]) == 3
     assert all(Path(r["path"]).is_dir() for r in s["runs"])
+
+
+def test_index_lists_every_id_at_both_sizes_from_the_reports(tmp_path):
+    from testbed.reproduce import IDS, reproduce_id
+    from testbed.reproduce.index import index_markdown, write_index
+    from tests.test_reproduce_balance import balance_folders
+
+    balance_folders(tmp_path / "runs")
+    out, res = reproduce_id("fig14", quick=True, out_root=tmp_path / "rep", run_folders=[tmp_path / "runs"],
+                            command="test", run_id="20261206-120000", progress=lambda m: None)
+    reproduce_id("table1", out_root=tmp_path / "rep", command="test", run_id="20261206-120001", progress=lambda m: None)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["wall_s"] >= 0
+    md = index_markdown(tmp_path / "rep", IDS, repo=Path("/"))  # the runs' paths are absolute here
+    dp = next(h for h in s["headline"] if h["name"].startswith("DualPath: attention"))
+    row = next(ln for ln in md.splitlines() if dp["name"] in ln)
+    assert f"| quick | {dp['name']} | 1.2 [1.2, 1.2] | {dp['n']} | 1.06 | 1 | yes | yes |" in row
+    assert "(fig14/20261206-120000/report.md)" in row
+    assert "| `fig14` | full | no report yet |" in md and "| `fig7` | quick | no report yet |" in md
+    assert "both (runs nothing)" in next(ln for ln in md.splitlines() if ln.startswith("| `table1`"))
+    assert all(f"`{i}`" in md for i in IDS)
+    assert write_index(tmp_path / "rep", IDS, repo=Path("/")).read_text() == md
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")  # the runs the report names are gone: the index says so
+    assert "| no (3 of 3 not kept) |" in index_markdown(tmp_path / "rep", ["fig14"], repo=Path("/"))
+
+
+def test_cli_all_plan_lists_every_id_and_runs_nothing():
+    r = dualpath("reproduce", "all", "--quick", "--plan")
+    assert r.returncode == 0 and all(f"{i}:" in r.stdout for i in IDS) and "all (quick): estimated" in r.stdout

@@ -11,7 +11,8 @@ from testbed.cli.shared import _fail, _need_root, app
 
 
 @app.command()
-def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds, isolation (see --list)"),
+def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds, isolation (see "
+                                                "--list); `all`: every id, then the index; `index`: the index only"),
               quick: bool = typer.Option(False, "--quick", help="the small size (at most ~10 min of runs)"),
               out: Path = typer.Option(Path("results/reproduce"), help="results go to OUT/<id>/<run-id>/, runs to OUT/runs/"),
               list_ids: bool = typer.Option(False, "--list", help="print the ids, one per line"),
@@ -35,7 +36,15 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
             typer.echo(i)
         return
     if not fig:
-        _fail("reproduce: name an id (dualpath reproduce --list)")
+        _fail("reproduce: name an id (dualpath reproduce --list), `all`, or `index`")
+    if fig == "index":  # from the reports on disk; runs nothing
+        from testbed.reproduce.index import write_index
+
+        typer.echo(f"index: {write_index(out, IDS)}")
+        return
+    if fig == "all":
+        _reproduce_all(quick, out, fresh, seed, plan_only)
+        return
     try:
         plan = id_plan(fig, quick, seed, seeds)
     except (UnknownId, ValueError) as e:
@@ -70,3 +79,23 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
         typer.echo(f"  incomplete: {len(keys)} run(s) missing ({', '.join(keys)}): {why}")
     typer.echo(f"results: {folder}/summary.json, report.md, {', '.join(result.pngs) or 'no figure'}")
     raise typer.Exit(0 if result.is_result else 1)
+
+
+def _reproduce_all(quick: bool, out: Path, fresh: bool, seed: int, plan_only: bool) -> None:
+    """Every id (runs reused across ids), then results/reproduce/index.md."""
+    from testbed.reproduce import IDS, id_plan, reproduce_all
+
+    plans = [id_plan(i, quick, seed) for i in IDS]
+    total = sum(p.estimate_s() for p in plans)
+    for p in plans:
+        typer.echo(f"{p.id}: {len(p.configs)} run(s), estimated {p.estimate_s() / 60:.1f} min")
+    typer.echo(f"all ({'quick' if quick else 'full'}): estimated {total / 60:.0f} min before reuse")
+    if plan_only:
+        return
+    _need_root()
+    index, failed = reproduce_all(quick=quick, out_root=out, command=" ".join(["dualpath", *sys.argv[1:]]),
+                                  progress=typer.echo, fresh=fresh, seed=seed)
+    for fig_id, why in failed.items():
+        typer.echo(f"  {fig_id} failed: {why}")
+    typer.echo(f"index: {index}")
+    raise typer.Exit(1 if failed else 0)

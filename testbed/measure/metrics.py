@@ -94,6 +94,9 @@ def speedups(modes: dict[str, dict], p: int, d: int, chain_s: float | None = Non
         m["speedup_bound_by"] = by
 
 
+MIN_LOADED = 20  # windows or steps behind a per-window headline, at least (DESIGN §9); fewer: not a result
+
+
 def forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: bool = True) -> dict[str, Any] | None:
     """Attention time max/avg across PEs per forward step.
 

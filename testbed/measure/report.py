@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from testbed.measure.fidelity import CPU_BUSY_MAX, OVERRUN_SHARE, SATURATION_MIN
+from testbed.measure.metrics import MIN_LOADED
 
 
 def _ms(x: float | None) -> str:
@@ -167,7 +168,10 @@ def _balance_lines(summary: dict) -> list[str]:
     def fwd(x: dict | None) -> str:
         if not x:
             return "n/a"
-        return f"{x['median']:.3f} (max {x['max']:.3f}, {x['steps']} steps)" if x.get("steps") else "no steps"
+        if not x.get("steps"):
+            return "no steps"
+        few = f", fewer than {MIN_LOADED}: not a result" if x["steps"] < MIN_LOADED else ""
+        return f"{x['median']:.3f} (max {x['max']:.3f}, {x['steps']} steps{few})"
 
     lines = ["balance: SNIC kv bytes max/avg; PE attention time max/avg per forward step while every PE is "
              "loaded (CPU time of the engines' compute; wall time beside it)"]

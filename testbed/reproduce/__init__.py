@@ -10,7 +10,8 @@ execute (runs a plan on the testbed: root), online (the SLO, the steady-state ru
 search), common (summary.json, report.md, headline rows), paper (the paper's numbers).
 
 `reproduce_id` is the driver: it gets the runs (executes the plan, or reads given run folders),
-calls the id's analysis and writes results/reproduce/<id>/<run-id>/.
+calls the id's analysis and writes results/reproduce/<id>/<run-id>/. `reproduce_all` runs every
+id and writes results/reproduce/index.md (index.py: every headline, both sizes).
 """
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
     committed with it (measure.runs.archive_run)."""
     from testbed.measure.runs import find_runs
 
+    started = time.monotonic()
     mod = module(fig_id)
     plan = id_plan(fig_id, quick, seed, seeds)
     runs, missing = {}, {}
@@ -145,5 +147,24 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
         lines = plan.lines() + [f"({'full' if quick else 'quick'} size: {len(other.configs)} run(s), estimated "
                                 f"{other.estimate_s() / 60:.1f} min; `dualpath reproduce {fig_id}"
                                 f"{'' if quick else ' --quick'} --plan` lists them)"]
+    result.data["wall_s"] = round(time.monotonic() - started, 1)  # the index lists each id's time
     result.write(out, command, quick, plan.to_dict() if plan.configs else None, lines)
     return out, result
+
+
+def reproduce_all(quick: bool = False, out_root: Path = DEFAULT_OUT, command: str = "",
+                  progress: Callable[[str], None] = print, **kw) -> tuple[Path, dict[str, str]]:
+    """Every id in turn (runs are reused across ids), then the index; an id that fails is named
+    and the rest still run. Returns (index.md, {id: error})."""
+    from testbed.reproduce.index import write_index
+
+    failed: dict[str, str] = {}
+    for fig_id in IDS:
+        progress(f"== {fig_id} ==")
+        try:
+            reproduce_id(fig_id, quick=quick, out_root=out_root, command=command.replace(" all", f" {fig_id}", 1),
+                         progress=progress, **kw)
+        except (RuntimeError, ValueError, OSError) as e:
+            failed[fig_id] = f"{type(e).__name__}: {e}"
+            progress(f"  {fig_id} failed: {failed[fig_id]}")
+    return write_index(out_root, IDS), failed

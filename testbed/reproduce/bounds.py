@@ -259,9 +259,9 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         heads.append(Headline(f"{r['p']}P{r['d']}D ({'inside' if r['inside'] else 'outside'}): predicted "
                               f"{r['predicted']}, share of its rate", share, None, r["expected"][r["predicted"]]))
     heads.append(Headline("points whose measured bottleneck is the predicted one", sum(r["match"] for r in rows),
-                          None, len(rows)))
+                          None, len(rows), n=len(done)))
     heads.append(Headline("points whose most utilised resource (any share) is the predicted one",
-                          sum(r["most_utilized"] == r["predicted"] for r in rows), None, len(rows)))
+                          sum(r["most_utilized"] == r["predicted"] for r in rows), None, len(rows), n=len(done)))
     used = [UsedRun(c.key, runs[c.key], (MODE,)) for c in cfgs if c.key in runs and runs[c.key].has(MODE)]
     notes = [
         f"Testbed's own range: {rng['range']['text']}; cluster size: "

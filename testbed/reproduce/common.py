@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from testbed.measure.metrics import MIN_LOADED  # noqa: F401  (the ids read it from here)
 from testbed.measure.runs import Run
 
 
@@ -86,7 +87,6 @@ def t_interval(xs: Sequence[float]) -> tuple[float, float] | None:
     return m - q * sem, m + q * sem
 
 
-MIN_LOADED = 20  # windows behind a per-window headline, at least (DESIGN §9)
 
 
 def loaded_mean(series: Sequence[dict]) -> Estimate:
