@@ -88,7 +88,7 @@ def online_plan(fig_id: str, quick: bool) -> Plan:
                 scale_down=(f"1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x{IO_1P1D_OVERRIDES['scale']:g}; the demo's "
                             "agents (10 turns, ~660-token contexts, 1/50 of the paper's 32K); SLO as the paper's "
                             "(TTFT <= 4 s, TPOT <= 50 ms, emulated); steady-state rule scaled (testbed.reproduce.online)"),
-                search=OnlineSearch(MODES, rel_tol=0.1, max_probes=4 if quick else 6))
+                search=OnlineSearch(MODES, rel_tol=0.1, max_probes=6 if quick else 8))
 
 
 # --------------------------------------------------------------------------- per request
