@@ -281,7 +281,7 @@ def bisect_next(points: Iterable[tuple[float, bool]], rel_tol: float = 0.1) -> f
     if not fails:
         return best * 2
     hi = min(fails)
-    if (hi - best) <= rel_tol * best:
+    if (hi - best) <= rel_tol * best * (1 + 1e-9):  # a bracket of exactly rel_tol is done (floats)
         return None
     return (best + hi) / 2
 
