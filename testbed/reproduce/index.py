@@ -74,6 +74,8 @@ def rows(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> list[list[st
             size_txt = "both (runs nothing)" if runless else size
             wall = s.get("wall_s")
             wall_txt = "—" if wall is None else f"{wall / 60:.1f} min"
+            if wall is not None and "--runs" in (s.get("command") or ""):
+                wall_txt += " (analysis of given runs)"
             link = f"[{folder.name}]({folder.relative_to(root).as_posix()}/report.md)"
             kept = runs_kept(s, repo)
             for h in s.get("headline", []) or [{"name": "no headline"}]:
@@ -92,7 +94,7 @@ def index_markdown(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> st
             "measured over samples, or the bracket a search left; n: the samples behind it; result: FAITHFUL, "
             "complete and on enough samples; runs kept: whether the runs the report used are in the repository "
             "(reports made before `--archive` name runs that were not kept); wall: the command's time (— for reports "
-            "made before it was recorded).",
+            "made before it was recorded; a command that reused runs it had made before counts only what it ran).",
             "", "| id | size | quantity | testbed | n | paper | bound | result | runs kept | wall |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     body = ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(root, ids, repo)]
