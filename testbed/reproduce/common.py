@@ -3,8 +3,10 @@
 summary.json (the interface the checks read):
   id, title, command, quick, faithful (true only if every run it used was FAITHFUL, in every mode
   it used), complete (every run the plan needs was there), missing {config key: why},
-  pngs (paths relative to the folder), headline [{name, testbed, paper, bound, n, ci95, ci_method}]
-  with null where there is none (n: the samples behind a measured number; ci95: its 95 % interval), scale_down, runs [{key, path, modes, faithful, unfaithful}], plan, and the id's
+  pngs (paths relative to the folder), headline [{name, testbed, paper, bound, n, ci95, ci_method,
+  interval}] with null where there is none (n: the samples behind a measured number; ci95: its 95 %
+  interval; interval: what a bracketed search allows), is_result and shortfalls, scale_down,
+  runs [{key, path, modes, faithful, unfaithful}], plan, and the id's
   own data (table1: rows; figures: the series they plot).
 report.md: the producing command, the scale-down, the verdict, a table of every headline number
 (testbed, paper, bound side by side), notes, the runs used and the figures.
@@ -19,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from testbed.measure.metrics import MIN_LOADED  # noqa: F401  (the ids read it from here)
 from testbed.measure.runs import Run
+from testbed.reproduce.plan import SEED_KEY
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,13 @@ class Headline:
         if self.paper is None or not self.ci95:
             return None
         lo, hi = self.ci95
-        where = "inside" if lo <= self.paper <= hi else "below" if self.paper < lo else "above"
-        return (f"{self.name}: the paper's {fmt(self.paper)} is {where} the testbed's 95 % interval "
+        return (f"{self.name}: the paper's {fmt(self.paper)} is {where(self.paper, lo, hi)} the testbed's 95 % interval "
                 f"[{fmt(lo)}, {fmt(hi)}] (n = {self.n}).")
+
+
+def where(v: float, lo: float, hi: float) -> str:
+    """Where v lies against [lo, hi], in a word: inside, below or above."""
+    return "inside" if lo <= v <= hi else "below" if v < lo else "above"
 
 
 @dataclass(frozen=True)
@@ -85,8 +92,6 @@ def t_interval(xs: Sequence[float]) -> tuple[float, float] | None:
     sem = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
     q = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
     return m - q * sem, m + q * sem
-
-
 
 
 def loaded_mean(series: Sequence[dict]) -> Estimate:
@@ -266,8 +271,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def replicas(runs: dict[str, Run], key: str) -> list[tuple[str, Run]]:
     """A run and its repeats on other seeds (Plan.with_seeds) that are present, by seed offset."""
-    from testbed.reproduce.plan import SEED_KEY
-
     reps = [(0, key, runs[key])] if key in runs else []
     reps += [(int(k[len(key) + len(SEED_KEY):]), k, r) for k, r in runs.items()
              if k.startswith(key + SEED_KEY) and k[len(key) + len(SEED_KEY):].isdigit()]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from testbed.measure import plots
 from testbed.reproduce import online, paper
-from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio
+from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio, where
 
 ID = "fig10"
 TITLE = "Online serving: TTFT, TTST and TPOT against APS"
@@ -124,8 +124,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     if iv:
         lo, hi = iv
         for name, v in paper.FIG10_CAPACITY_RATIO.items():
-            where = "inside" if lo <= v <= hi else "below" if v < lo else "above"
-            notes.append(f"The paper's {v}x ({name}) is {where} the ratio's bracket [{lo:.2f}, {hi:.2f}]"
+            notes.append(f"The paper's {v}x ({name}) is {where(v, lo, hi)} the ratio's bracket [{lo:.2f}, {hi:.2f}]"
                          f"{'' if bound is None else f'; the bound is {bound:g}x'}.")
     notes += capacity_notes(cur, caps, plan_.search.rel_tol)
     if not ons:

@@ -98,18 +98,25 @@ def run_points(run, mode: str, window_s: float = WINDOW_S) -> tuple[list[dict], 
     return pts, whole
 
 
-def balance(runs: list, mode: str, window_s: float = WINDOW_S) -> dict:
-    """The mode's points over every run (seed) that has it, and the headline computed from them."""
-    series, per_run, whole = [], [], []
-    for i, r in enumerate(x for x in runs if x.has(mode)):
-        pts, w = run_points(r, mode, window_s)
+def pooled(runs: list, mode: str, points, window_s: float) -> dict:
+    """Figures 13 and 14: `points(run)` (one run's window points) over every run (seed) that has the
+    mode, tagged with the run's index; the headline from all of them, per-seed means, the share."""
+    have = [r for r in runs if r.has(mode)]
+    series, per_run = [], []
+    for i, r in enumerate(have):
+        pts = points(r)
         series += [{**p, "run": i} for p in pts]
         per_run.append(loaded_mean(pts).value)
-        whole.append(w)
     est = loaded_mean(series)
     return {"mode": mode, "series": series, "headline": est, "loaded_windows": est.n, "windows": len(series),
-            "loaded_share": loaded_share(series, [x for x in runs if x.has(mode)], mode, window_s),
-            "per_run_mean": per_run, "per_run_ci95": t_interval(per_run),
+            "loaded_share": loaded_share(series, have, mode, window_s),
+            "per_run_mean": per_run, "per_run_ci95": t_interval(per_run)}
+
+
+def balance(runs: list, mode: str, window_s: float = WINDOW_S) -> dict:
+    """The mode's points over every run (seed) that has it, and the headline computed from them."""
+    whole = [run_points(r, mode, window_s)[1] for r in runs if r.has(mode)]
+    return {**pooled(runs, mode, lambda r: run_points(r, mode, window_s)[0], window_s),
             "loaded_bytes_max_over_avg": mean(whole), "per_run_loaded_bytes_max_over_avg": whole}
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from testbed.measure import plots
 from testbed.reproduce import paper
-from testbed.reproduce.common import Headline, Result, UsedRun, loaded_mean, mean, replicas, t_interval
-from testbed.reproduce.fig13 import (QUICK_SEEDS, TOPOLOGY, balance_data, draw_windows, headlines, loaded_share,
+from testbed.reproduce.common import Headline, Result, UsedRun, mean, replicas
+from testbed.reproduce.fig13 import (QUICK_SEEDS, TOPOLOGY, balance_data, draw_windows, headlines, pooled,
                                      seed_notes, shortfalls, ylim_for)
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
@@ -109,24 +109,19 @@ def attention_series(passes: list[dict], dilation: float, key: str = "attention_
     return out
 
 
+def window_points(run, mode: str) -> list[dict]:
+    """One run's attention windows as the points the figure draws."""
+    return [{"t": w["t"], "value": w["max_over_avg"], "loaded": w["loaded"] and w["max_over_avg"] is not None,
+             "min_busy_share": w["min_busy_share"]} for w in attention_windows(run.passes(mode), run.dilation)]
+
+
 def balance(runs: list, mode: str) -> dict:
     """The mode's window points over every run (seed) that has it, the headline from them, and the
     k-th-pass pairing as a secondary number."""
-    series, per_run, step_in, steps = [], [], [], 0
-    for i, r in enumerate(x for x in runs if x.has(mode)):
-        win = attention_windows(r.passes(mode), r.dilation)
-        pts = [{"t": w["t"], "value": w["max_over_avg"], "loaded": w["loaded"] and w["max_over_avg"] is not None,
-                "min_busy_share": w["min_busy_share"]} for w in win]
-        series += [{**p, "run": i} for p in pts]
-        per_run.append(loaded_mean(pts).value)
-        st = attention_series(r.passes(mode), r.dilation)
-        steps += len(st)
-        step_in += [s["max_over_avg"] for s in st if s["loaded"] and s["max_over_avg"] is not None]
-    est = loaded_mean(series)
-    return {"mode": mode, "series": series, "headline": est, "loaded_windows": est.n, "windows": len(series),
-            "loaded_share": loaded_share(series, [x for x in runs if x.has(mode)], mode, WINDOW_S),
-            "per_run_mean": per_run, "per_run_ci95": t_interval(per_run),
-            "per_step": {"mean_over_loaded_steps": mean(step_in), "loaded_steps": len(step_in), "steps": steps}}
+    steps = [s for r in runs if r.has(mode) for s in attention_series(r.passes(mode), r.dilation)]
+    step_in = [s["max_over_avg"] for s in steps if s["loaded"] and s["max_over_avg"] is not None]
+    return {**pooled(runs, mode, lambda r: window_points(r, mode), WINDOW_S),
+            "per_step": {"mean_over_loaded_steps": mean(step_in), "loaded_steps": len(step_in), "steps": len(steps)}}
 
 
 def render(series: dict[str, list[dict]], out: Path) -> list[str]:

@@ -60,10 +60,10 @@ def runs_kept(s: dict[str, Any], repo: Path) -> str:
     return "yes" if there == len(paths) else f"no ({len(paths) - there} of {len(paths)} not kept)"
 
 
-def rows(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> list[list[str]]:
+def rows(reports: dict[str, dict], repo: Path = Path(".")) -> list[list[str]]:
+    """The table's rows from {id: latest_reports(...)}."""
     out = []
-    for fig_id in ids:
-        reps = latest_reports(root, fig_id)
+    for fig_id, reps in reports.items():
         runless = [k for k, (_, s) in reps.items() if not s.get("plan") and not s.get("runs")]
         sizes = runless[:1] if runless else ["quick", "full"]  # a table has one size: it runs nothing
         for size in sizes:
@@ -76,7 +76,7 @@ def rows(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> list[list[st
             wall_txt = "—" if wall is None else f"{wall / 60:.1f} min"
             if wall is not None and "--runs" in (s.get("command") or ""):
                 wall_txt += " (analysis of given runs)"
-            link = f"[{folder.name}]({folder.relative_to(root).as_posix()}/report.md)"
+            link = f"[{folder.name}]({fig_id}/{folder.name}/report.md)"
             kept = runs_kept(s, repo)
             for h in s.get("headline", []) or [{"name": "no headline"}]:
                 out.append([f"`{fig_id}` {link}", size_txt, h.get("name", ""), _value(h),
@@ -87,7 +87,6 @@ def rows(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> list[list[st
 
 def index_markdown(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> str:
     """The index; `repo`: where the reports' run paths are relative to (the checkout)."""
-    ids = list(ids)
     head = ["# Every table and figure: the headline numbers", "",
             "Made by `dualpath reproduce index` (and at the end of `dualpath reproduce all`) from the newest report "
             "of each id at each size under this folder. testbed: the value with its 95 % interval where it is "
@@ -97,8 +96,9 @@ def index_markdown(root: Path, ids: Iterable[str], repo: Path = Path(".")) -> st
             "made before it was recorded; a command that reused runs it had made before counts only what it ran).",
             "", "| id | size | quantity | testbed | n | paper | bound | result | runs kept | wall |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    body = ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(root, ids, repo)]
-    walls = [s.get("wall_s") for i in ids for _, s in latest_reports(root, i).values()]
+    reports = {i: latest_reports(root, i) for i in ids}
+    body = ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(reports, repo)]
+    walls = [s.get("wall_s") for reps in reports.values() for _, s in reps.values()]
     known = [w for w in walls if w is not None]
     tail = ["", f"Wall time recorded for {len(known)} of {len(walls)} reports: {sum(known) / 60:.1f} min in all."]
     return "\n".join(head + body + tail) + "\n"
