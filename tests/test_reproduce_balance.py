@@ -7,7 +7,8 @@ import pytest
 from testbed.measure import plots
 
 from testbed.reproduce import fig13, fig14, reproduce_id
-from testbed.reproduce.common import MIN_LOADED, loaded_mean
+from testbed.reproduce.common import MIN_LOADED
+from testbed.reproduce.spread import loaded_mean
 from testbed.reproduce.fig13 import draw_windows, mark_loaded, snic_series
 from testbed.reproduce.fig14 import WINDOW_S, attention_series, attention_windows
 from tests.reproduce_helpers import RunFolder, is_valid_png, plan_json

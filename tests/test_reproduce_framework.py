@@ -339,7 +339,8 @@ def test_only_pooling_ids_take_seeds():
 
 
 def test_intervals_have_known_answers():
-    from testbed.reproduce.common import Headline, bootstrap_ci, t_interval
+    from testbed.reproduce.common import Headline
+    from testbed.reproduce.spread import bootstrap_ci, t_interval
 
     lo, hi = t_interval([1.0, 2.0, 3.0])  # mean 2, standard error 1/sqrt(3), t(2) = 4.303
     assert (lo, hi) == (pytest.approx(2 - 4.303 / 3 ** 0.5), pytest.approx(2 + 4.303 / 3 ** 0.5))

@@ -144,6 +144,18 @@ class Run:
         """The monitor's samples of a mode, by time."""
         return sorted(self._rows("links").get(mode, []), key=lambda s: s["t"])
 
+    def agent_spans_s(self, mode: str) -> dict[Any, tuple[float, float]]:
+        """Per agent (trajectory), when its first turn arrived and its last turn finished (emulated
+        s since the mode's start): the units a JCT (the last finish) and an agent's JCT are made
+        of. Failed requests count as not finished."""
+        out: dict[Any, list[float]] = {}
+        for r in self.records(mode):
+            if r.get("error") or r.get("t_done") is None:
+                continue
+            a = out.setdefault(r["trajectory"], [float(r["t_arrive"]), float(r["t_done"])])
+            a[0], a[1] = min(a[0], float(r["t_arrive"])), max(a[1], float(r["t_done"]))
+        return {k: (self.emulated(a), self.emulated(d)) for k, (a, d) in out.items()}
+
     def emulated(self, testbed_s: float) -> float:
         return testbed_s / self.dilation
 

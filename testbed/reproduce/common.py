@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 from testbed.measure.metrics import MIN_LOADED  # noqa: F401  (the ids read it from here)
 from testbed.measure.runs import Run
 from testbed.reproduce.plan import SEED_KEY
+from testbed.reproduce.spread import Estimate
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class Headline:
                 "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci else None,
                 "interval": [_num(self.interval[0]), _num(self.interval[1])] if self.interval else None}
 
+    @classmethod
+    def of(cls, name: str, est: Estimate | None, paper: float | None = None, bound: float | None = None) -> "Headline":
+        """A measured headline from its estimate (value, n, interval and how it was computed)."""
+        if est is None:
+            return cls(name, None, paper, bound)
+        return cls(name, est.value, paper, bound, n=est.n or None, ci95=est.ci95, ci_method=est.method)
+
     def paper_in_words(self) -> str | None:
         """Whether the paper's value lies inside the 95 % interval, as a sentence (None without both)."""
         if self.paper is None or not self.ci95:
@@ -53,52 +61,6 @@ class Headline:
 def where(v: float, lo: float, hi: float) -> str:
     """Where v lies against [lo, hi], in a word: inside, below or above."""
     return "inside" if lo <= v <= hi else "below" if v < lo else "above"
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A measured mean with its sample count and 95 % interval."""
-
-    value: float | None
-    n: int
-    ci95: tuple[float, float] | None
-    method: str
-
-
-def bootstrap_ci(xs: Sequence[float], reps: int = 2000, seed: int = 0) -> tuple[float, float] | None:
-    """95 % percentile-bootstrap interval of the mean (None below two samples); seeded, so a report
-    made twice from the same runs says the same."""
-    import numpy as np
-
-    a = np.asarray([x for x in xs if x is not None], dtype=float)
-    if a.size < 2:
-        return None
-    means = np.random.default_rng(seed).choice(a, size=(reps, a.size), replace=True).mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
-# Student-t 97.5 % quantiles for 1..30 degrees of freedom; the normal's beyond
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t_interval(xs: Sequence[float]) -> tuple[float, float] | None:
-    """95 % Student-t interval of the mean (None below two samples): for one number per seed."""
-    xs = [float(x) for x in xs if x is not None]
-    n = len(xs)
-    if n < 2:
-        return None
-    m = sum(xs) / n
-    sem = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
-    q = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
-    return m - q * sem, m + q * sem
-
-
-def loaded_mean(series: Sequence[dict]) -> Estimate:
-    """The headline of a per-window series: the mean `value` of its points with `loaded` true, their
-    count, and a bootstrap over those windows. Figures 13 and 14 draw exactly these points."""
-    xs = [p["value"] for p in series if p.get("loaded") and p.get("value") is not None]
-    return Estimate(mean(xs), len(xs), bootstrap_ci(xs), "bootstrap over loaded windows (2,000 resamples)")
 
 
 def _num(v: float | None) -> float | None:

@@ -25,6 +25,7 @@ from testbed.measure import plots
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.spread import Draws, map_draws, mean_draws, means_ratio_draws, ratio_draws
 
 ID = "fig12"
 TITLE = "TTFT breakdown against APS (left) and the ablation ladder (right)"
@@ -72,17 +73,34 @@ def ttft_breakdown(r: dict, dilation: float = 1.0) -> dict[str, float]:
             "prefill": (first - pstart) / dilation}
 
 
-def breakdown_point(run, mode: str) -> dict:
-    """Mean TTFT parts of the measured requests of one (APS, mode) run."""
-    recs = [r for r in run.records(mode) if r.get("trajectory", 0) >= 0 and not r.get("error")]
-    recs.sort(key=lambda r: r["t_arrive"])
+def measured_parts(run, mode: str) -> list[dict]:
+    """The TTFT parts of each measured request of one (APS, mode) run: past the warm-up, no error."""
+    recs = sorted((r for r in run.records(mode) if r.get("trajectory", 0) >= 0 and not r.get("error")),
+                  key=lambda r: r["t_arrive"])
     if not recs:
-        return {"aps": run.aps, "mode": mode, "n": 0, **{p: None for p in PARTS}}
+        return []
     t0, t1 = recs[0]["t_arrive"], recs[-1]["t_arrive"]
     start = t0 + online.WARMUP * (t1 - t0)
-    parts = [ttft_breakdown(r, run.dilation) for r in recs if r["t_arrive"] >= start]
-    return {"aps": run.aps, "mode": mode, "n": len(parts), "split_queue_alloc": all("t_routed" in r for r in recs),
+    return [ttft_breakdown(r, run.dilation) for r in recs if r["t_arrive"] >= start]
+
+
+def breakdown_point(run, mode: str) -> dict:
+    """Mean TTFT parts of the measured requests of one (APS, mode) run."""
+    parts = measured_parts(run, mode)
+    if not parts:
+        return {"aps": run.aps, "mode": mode, "n": 0, **{p: None for p in PARTS}}
+    return {"aps": run.aps, "mode": mode, "n": len(parts),
+            "split_queue_alloc": all("t_routed" in r for r in run.records(mode)),
             **{p: mean(x[p] for x in parts) for p in PARTS}}
+
+
+def read_growth(runs: dict, mode: str) -> Draws:
+    """Mean read time at the highest APS over the lowest, with a bootstrap over each run's requests."""
+    by = sorted((r for r in online.online_runs(runs) if r.has(mode) and measured_parts(r, mode)), key=lambda r: r.aps)
+    if len(by) < 2:
+        return Draws(None, None, 0, "")
+    return means_ratio_draws([p["read"] for p in measured_parts(by[-1], mode)],
+                             [p["read"] for p in measured_parts(by[0], mode)], "requests")
 
 
 def left(runs: dict) -> dict[str, list[dict]]:
@@ -179,16 +197,14 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     rows = right(runs, quick)
     heads = []
     for m in ("layerwise", "dualpath-rr", "dualpath"):
-        reds = [c["reduction"][m] for c in rows if c["reduction"].get(m) is not None]
+        reds = mean_draws([map_draws(ratio_draws((runs[c["key"]], m), (runs[c["key"]], "basic")), lambda x: 1 - x)
+                           for c in rows if c["reduction"].get(m) is not None])
         bound = rows[0]["bound"] if rows else None
-        heads.append(Headline(f"right: {plots.label(m)} mean JCT reduction vs Basic (share)", mean(reds),
-                              paper.FIG12_REDUCTION[m], (1 - 1 / bound) if bound else None))
+        heads.append(Headline.of(f"right: {plots.label(m)} mean JCT reduction vs Basic (share)", reds.estimate(),
+                                 paper.FIG12_REDUCTION[m], (1 - 1 / bound) if bound else None))
     for m in online.MODES:
-        pts = sorted((p for p in br.get(m, []) if p["n"]), key=lambda p: p["aps"])
-        lo, hi = (pts[0], pts[-1]) if len(pts) >= 2 else (None, None)
-        heads.append(Headline(f"left: {plots.label(m)} mean read time at the highest / lowest APS (x; paper: "
-                              f"{'grows' if m == 'basic' else 'flat, ~1'})",
-                              (hi["read"] / lo["read"]) if lo and hi and lo["read"] else None, None, None))
+        heads.append(Headline.of(f"left: {plots.label(m)} mean read time at the highest / lowest APS (x; paper: "
+                                 f"{'grows' if m == 'basic' else 'flat, ~1'})", read_growth(runs, m).estimate()))
     used = [UsedRun(k, r, tuple(m for m in online.MODES if r.has(m))) for k, r in runs.items() if r.aps is not None]
     used += [UsedRun(c["key"], runs[c["key"]], tuple(m for m in LADDER if runs[c["key"]].has(m))) for c in rows]
     notes = ["Right: the paper's reductions are means over 1024 and 2048 agents (DS 660B, 64K); ours are means over "

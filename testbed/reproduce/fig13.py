@@ -19,8 +19,8 @@ import numpy as np
 
 from testbed.measure import plots
 from testbed.reproduce import paper
-from testbed.reproduce.common import (MIN_LOADED, Headline, Result, UsedRun, loaded_mean, mean, replicas,
-                                      t_interval)
+from testbed.reproduce.common import MIN_LOADED, Headline, Result, UsedRun, mean, replicas
+from testbed.reproduce.spread import loaded_mean, t_interval
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
 
 ID = "fig13"
@@ -166,8 +166,7 @@ def headlines(bal: dict[str, dict], modes, name: str, paper_of) -> list[Headline
     out = []
     for m in modes:
         e = bal[m]["headline"] if m in bal else None
-        out.append(Headline(f"{plots.label(m)}: {name}", e.value if e else None, paper_of(m), 1.0,
-                            n=e.n if e else None, ci95=e.ci95 if e else None, ci_method=e.method if e else None))
+        out.append(Headline.of(f"{plots.label(m)}: {name}", e, paper_of(m), 1.0))
     return out
 
 

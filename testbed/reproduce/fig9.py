@@ -16,6 +16,7 @@ from testbed.reproduce import paper
 from testbed.reproduce import projection as projection_
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.spread import difference_draws, speedup_draws
 
 ID = "fig9"
 TITLE = "Append-length and generation-length scaling"
@@ -168,16 +169,19 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     trend = {}
     for side, _, _ in SIDES:
         pts = ser[side]
-        for i, p in enumerate(pts):
+        sp = [speedup_draws(runs[p["key"]]) for p in pts]
+        for i, (p, d) in enumerate(zip(pts, sp)):
             pv = None
             if side == "append" and len(pts) > 1 and i in (0, len(pts) - 1):
                 # the paper's range over its scales; its Basic approaches DualPath as appends grow
                 pv = paper.FIG9_APPEND_SPEEDUP[1] if i == 0 else paper.FIG9_APPEND_SPEEDUP[0]
-            heads.append(Headline(f"{side} x{p['scale']:g}: DualPath speed-up over Basic (x)", p["speedup"], pv, p["bound"]))
+            heads.append(Headline.of(f"{side} x{p['scale']:g}: DualPath speed-up over Basic (x)", d.estimate(), pv,
+                                     p["bound"]))
         if len(pts) >= 2 and pts[0]["speedup"] and pts[-1]["speedup"]:
-            trend[side] = pts[-1]["speedup"] - pts[0]["speedup"]
-            heads.append(Headline(f"{side}: change in speed-up from x{pts[0]['scale']:g} to x{pts[-1]['scale']:g} "
-                                  "(x; < 0: Basic approaches DualPath)", trend[side], None, None))
+            change = difference_draws(sp[-1], sp[0])
+            trend[side] = change.value
+            heads.append(Headline.of(f"{side}: change in speed-up from x{pts[0]['scale']:g} to x{pts[-1]['scale']:g} "
+                                     "(x; < 0: Basic approaches DualPath)", change.estimate()))
     used = [UsedRun(p["key"], runs[p["key"]], tuple(m for m in ("basic", "dualpath", "oracle") if runs[p["key"]].has(m)))
             for side in ser for p in ser[side]]
     seen, uniq = set(), []

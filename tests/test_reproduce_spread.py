@@ -1,0 +1,71 @@
+"""The intervals behind JCT headlines: a bootstrap over agents, on hand-built runs with known answers."""
+import pytest
+
+from testbed.measure.runs import load_run
+from testbed.reproduce.spread import (difference_draws, jct_draws, mean_draws, means_ratio_draws, ratio_draws,
+                                      speedup_draws)
+from tests.reproduce_helpers import RunFolder
+
+K = 2.0  # the hand-built runs' dilation: records are in testbed s, JCTs in emulated s
+
+
+def agents(finish_s: list[float], turns: int = 2) -> list[dict]:
+    """Records of agents whose last turn ends at finish_s (emulated s), every turn arriving at 0."""
+    return [{"trajectory": a, "turn": t, "t_arrive": 0.0, "t_done": f * K * (t + 1) / turns, "error": None}
+            for a, f in enumerate(finish_s) for t in range(turns)]
+
+
+def run_of(tmp_path, name: str, modes: dict[str, list[float]]):
+    rf = RunFolder(tmp_path / name, dilation=K)
+    for m, fin in modes.items():
+        rf.mode(m, jct_s=max(fin), records=agents(fin))
+    return load_run(rf.write())
+
+
+def test_a_speed_up_that_every_agent_shares_has_no_spread(tmp_path):
+    fin = [float(i) for i in range(1, 31)]
+    r = run_of(tmp_path, "r", {"basic": [2 * f for f in fin], "dualpath": fin})
+    e = speedup_draws(r).estimate()
+    assert e.value == pytest.approx(2.0) and e.n == 30 and e.ci95 == (pytest.approx(2.0), pytest.approx(2.0))
+    assert "paired" in e.method
+
+
+def test_a_jct_interval_says_how_much_it_rests_on_the_last_agents(tmp_path):
+    # 29 agents end at 10 s and one at 20 s: a resample leaves the straggler out with probability
+    # (29/30)^30 = 0.36, so the interval reaches down to 10 and up to the run's own 20
+    r = run_of(tmp_path, "r", {"basic": [10.0] * 29 + [20.0]})
+    e = jct_draws(r, "basic").estimate()
+    assert e.value == 20.0 and e.n == 30 and e.ci95 == (pytest.approx(10.0), pytest.approx(20.0))
+    # every agent at 10 s but the straggler shared by both modes: the ratio is 1 in every resample
+    r2 = run_of(tmp_path, "r2", {"basic": [10.0] * 29 + [20.0], "dualpath": [5.0] * 29 + [20.0]})
+    lo, hi = speedup_draws(r2).estimate().ci95
+    assert (lo, hi) == (pytest.approx(1.0), pytest.approx(2.0))
+
+
+def test_runs_with_different_agents_are_resampled_apart(tmp_path):
+    a = run_of(tmp_path, "a", {"basic": [4.0] * 10})
+    b = run_of(tmp_path, "b", {"basic": [2.0] * 20})
+    d = ratio_draws((a, "basic"), (b, "basic"))
+    assert d.value == pytest.approx(2.0) and "apart" in d.method and d.n == 10
+
+
+def test_means_and_differences_carry_their_replicates(tmp_path):
+    r1 = run_of(tmp_path, "r1", {"basic": [3.0] * 20, "dualpath": [1.0] * 20})
+    r2 = run_of(tmp_path, "r2", {"basic": [2.0] * 20, "dualpath": [1.0] * 20})
+    m = mean_draws([speedup_draws(r1), speedup_draws(r2)]).estimate()
+    assert m.value == pytest.approx(2.5) and m.ci95 == (pytest.approx(2.5), pytest.approx(2.5))
+    d = difference_draws(speedup_draws(r2), speedup_draws(r1)).estimate()
+    assert d.value == pytest.approx(-1.0) and d.ci95 == (pytest.approx(-1.0), pytest.approx(-1.0))
+
+
+def test_a_run_without_records_keeps_its_value_and_claims_no_interval(tmp_path):
+    rf = RunFolder(tmp_path / "bare").mode("basic", jct_s=6.0).mode("dualpath", jct_s=3.0)
+    e = speedup_draws(load_run(rf.write())).estimate()
+    assert e.value == pytest.approx(2.0) and e.ci95 is None
+
+
+def test_a_ratio_of_means_over_requests():
+    e = means_ratio_draws([2.0, 4.0] * 50, [1.0] * 40, "requests").estimate()
+    lo, hi = e.ci95
+    assert e.value == pytest.approx(3.0) and 2.7 < lo < 3.0 < hi < 3.3 and e.n == 40
+    assert means_ratio_draws([], [1.0], "requests").value is None
