@@ -2,7 +2,7 @@
 import pytest
 
 from testbed.measure.runs import load_run
-from testbed.reproduce.spread import (difference_draws, jct_draws, mean_draws, means_ratio_draws, ratio_draws,
+from testbed.reproduce.spread import (difference_draws, jct_draws, mean_draws, ratio_draws, sample_draws, sample_ratio_draws,
                                       speedup_draws)
 from tests.reproduce_helpers import RunFolder
 
@@ -65,7 +65,46 @@ def test_a_run_without_records_keeps_its_value_and_claims_no_interval(tmp_path):
 
 
 def test_a_ratio_of_means_over_requests():
-    e = means_ratio_draws([2.0, 4.0] * 50, [1.0] * 40, "requests").estimate()
+    e = sample_ratio_draws([2.0, 4.0] * 50, [1.0] * 40, "requests").estimate()
     lo, hi = e.ci95
-    assert e.value == pytest.approx(3.0) and 2.7 < lo < 3.0 < hi < 3.3 and e.n == 40
-    assert means_ratio_draws([], [1.0], "requests").value is None
+    assert e.value == pytest.approx(3.0) and 2.7 < lo < 3.0 < hi < 3.3 and e.n == 40 and "each apart" in e.method
+    assert sample_ratio_draws([], [1.0], "requests").value is None
+
+
+def test_a_p99_interval_over_collectives():
+    xs = [1.0] * 990 + [10.0] * 10  # the p99 sits on the edge of the slow tail
+    e = sample_draws(xs, "collectives", q=99).estimate()
+    assert e.value == pytest.approx(float(__import__("numpy").percentile(xs, 99))) and e.n == 1000
+    assert e.ci95[0] == pytest.approx(1.0) and e.ci95[1] > 5.0 and "p99" in e.method
+    r = sample_ratio_draws([2.0] * 500, [1.0] * 500, "collectives", q=99).estimate()
+    assert r.value == pytest.approx(2.0) and r.ci95 == (pytest.approx(2.0), pytest.approx(2.0))
+
+
+def test_fig8_headlines_and_plot_rows_carry_the_same_interval(tmp_path):
+    """fig8 on runs whose agents all speed up by the P/D's factor except one straggler that
+    finishes last in both modes: each speed-up's interval runs from 1 (the straggler drawn)
+    to the factor (left out), and the row the PNG draws carries the headline's interval."""
+    from testbed.reproduce import module, reproduce_id
+    from tests.reproduce_helpers import plan_json
+
+    factor = {"1P1D": 2.0, "1P2D": 3.0, "2P1D": 1.5}
+    for cfg in module("fig8").plan(True).configs:
+        f = factor[cfg.params["pd"]]
+        rf = RunFolder(tmp_path / "runs" / cfg.folder(), dilation=K, topology=cfg.topology)
+        basic = [30.0] * 29 + [60.0]
+        dual = [30.0 / f] * 29 + [60.0]
+        rf.mode("basic", jct_s=60.0, records=agents(basic)).mode("dualpath", jct_s=60.0, records=agents(dual))
+        rf.write(plan=plan_json(cfg))
+    out, _ = reproduce_id("fig8", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"],
+                          command="test", run_id="x", progress=lambda m: None)
+    import json
+
+    s = json.loads((out / "summary.json").read_text())
+    heads = {h["name"]: h for h in s["headline"]}
+    rows = {c["pd"]: c for c in s["configs"]}
+    for pd, f in factor.items():
+        h = heads[f"{pd}: DualPath speed-up over Basic (x)"]
+        assert h["testbed"] == pytest.approx(1.0) and h["n"] == 30 and "paired" in h["ci_method"]
+        assert h["ci95"] == [pytest.approx(1.0), pytest.approx(f)] and rows[pd]["speedup_ci95"] == pytest.approx(h["ci95"])
+    mean = heads["mean DualPath speed-up over the P/D ratios (x)"]
+    assert mean["testbed"] == pytest.approx(1.0) and mean["ci95"][1] == pytest.approx(sum(factor.values()) / 3, rel=0.01)

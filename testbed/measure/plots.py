@@ -112,6 +112,16 @@ def paper_points(ax, xs: Sequence[float], ys: Sequence[float], text: str, marker
                label=text)
 
 
+def interval_bars(ax, xs: Sequence[float], ys: Sequence[float | None],
+                  cis: Sequence[Sequence[float] | None], label: str | None = "95 % interval") -> None:
+    """Error bars from each value's interval (asymmetric; none where a value has no interval)."""
+    pts = [(x, y, ci) for x, y, ci in zip(xs, ys, cis) if y is not None and ci]
+    if pts:
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[max(0.0, p[1] - p[2][0]) for p in pts],
+                                                                    [max(0.0, p[2][1] - p[1]) for p in pts]],
+                    fmt="none", ecolor="black", capsize=4, lw=1, label=label, zorder=6)
+
+
 def note(ax, text: str) -> None:
     """A small note in the lower left corner of the axis (the scale-down, a caveat)."""
     ax.text(0.01, 0.01, text, transform=ax.transAxes, fontsize=7, color="#555555", va="bottom", ha="left",

@@ -29,8 +29,9 @@ from dualpath.analysis import method
 from dualpath.analysis.bounds import paper_model
 from dualpath.analysis.testbed_bounds import SNIC_RX, members
 from testbed.measure import plots
-from testbed.reproduce.common import Headline, Result, UsedRun
+from testbed.reproduce.common import MIN_LOADED, Headline, Result, UsedRun
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.spread import bootstrap_ci
 
 ID = "bounds"
 TITLE = "The testbed's own bottleneck-free P/D range, tested by a P/D sweep"
@@ -39,7 +40,13 @@ MODE = "dualpath"
 SATURATED = 0.9  # a resource at or above this share of its rate is saturated (the issue's rule)
 FIRST_TURNS_DONE = 1.0  # the window opens when this share of agents has had its first turn served
 ACTIVE_SHARE = 0.75  # ... and closes when fewer than this share of the agents are still running
+WINDOW_S = 0.5  # emulated s: the loaded window is cut into windows this long for n and the interval
 POINTS = ((1, 4), (1, 2), (2, 3), (1, 1), (3, 1))  # (P, D): one below, three inside, one above
+# Half the base topology's x0.0032, twice its dilation. At x0.0032 the full size's 2P3D outran the
+# host (UNFAITHFUL twice), and on 2026-12-06 four of the quick size's five points did too, on this
+# code and on the code that made the FAITHFUL quick report of 2026-12-04 (1e77003), one after the
+# other: the host had no margin at that dilation, whichever code ran.
+LINK_SCALE = 0.0016
 
 
 def sizes(quick: bool) -> tuple[int, float]:
@@ -51,9 +58,8 @@ def sizes(quick: bool) -> tuple[int, float]:
 def config(p: int, d: int, quick: bool) -> RunConfig:
     per_node, turns = sizes(quick)
     wl = WorkloadSpec(agents=per_node * (p + d), turns_scale=turns)
-    return RunConfig(f"bounds/{p}p{d}d", TOPOLOGY, (MODE,), wl,
-                     topology_overrides={"name": f"{p}p{d}d-bounds", "prefill_nodes": p, "decode_nodes": d},
-                     params={"p": p, "d": d})
+    over = {"name": f"{p}p{d}d-bounds", "prefill_nodes": p, "decode_nodes": d, "scale": LINK_SCALE}
+    return RunConfig(f"bounds/{p}p{d}d", TOPOLOGY, (MODE,), wl, topology_overrides=over, params={"p": p, "d": d})
 
 
 def plan(quick: bool = False) -> Plan:
@@ -152,7 +158,7 @@ def point(cfg: RunConfig, run) -> dict[str, Any]:
         "predicted_utilization": _round(method.utilizations(model, p, d)),
         "expected": _round(method.expected_shares(model, p, d)),
         "measured": None, "most_utilized": None, "utilization": {}, "window_s": None, "match": False,
-        "faithful": None}
+        "faithful": None, "windows": 0, "predicted_share_ci95": None}
     if run is None or not run.has(MODE):
         return row
     win = loaded_window(run.records(MODE))
@@ -164,7 +170,20 @@ def point(cfg: RunConfig, run) -> dict[str, Any]:
                window_s=[round(win[0], 2), round(win[1], 2)] if win else None,
                window_emulated_s=[round(run.emulated(x), 3) for x in win] if win else None)
     row["match"] = row["measured"] is not None and row["measured"] == row["predicted"]
+    shares = window_shares(run.links(MODE), nic_roles(topo), model, win, row["predicted"],
+                           WINDOW_S * run.dilation) if win else []
+    row["windows"], row["predicted_share_ci95"] = len(shares), bootstrap_ci(shares)
     return row
+
+
+def window_shares(samples: list[dict], roles: dict[str, tuple[str, str, float]], model: method.Model,
+                  window: tuple[float, float], resource: str, width_s: float) -> list[float]:
+    """A resource's share of its rate in each of the equal windows, about width_s testbed s long,
+    the loaded window splits into: the units its share's interval and sample count are over."""
+    n = int((window[1] - window[0]) // width_s)
+    edges = np.linspace(window[0], window[1], n + 1) if n >= 1 else []
+    shares = [utilizations(samples, roles, model, (a, b)).get(resource) for a, b in zip(edges[:-1], edges[1:])]
+    return [x for x in shares if x is not None]
 
 
 def _round(d: dict[str, float]) -> dict[str, float]:
@@ -256,8 +275,11 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              Headline("testbed's own upper bound on P/D", rng["range"]["upper"], rng["paper_range"]["upper"], None)]
     for r in rows:
         share = r["utilization"].get(r["predicted"])
+        ci = r.get("predicted_share_ci95")
         heads.append(Headline(f"{r['p']}P{r['d']}D ({'inside' if r['inside'] else 'outside'}): predicted "
-                              f"{r['predicted']}, share of its rate", share, None, r["expected"][r["predicted"]]))
+                              f"{r['predicted']}, share of its rate", share, None, r["expected"][r["predicted"]],
+                              n=r.get("windows") or None, ci95=ci,
+                              ci_method=f"bootstrap over the loaded window's {WINDOW_S:g} emulated s windows" if ci else None))
     heads.append(Headline("points whose measured bottleneck is the predicted one", sum(r["match"] for r in rows),
                           None, len(rows), n=len(done)))
     heads.append(Headline("points whose most utilised resource (any share) is the predicted one",
@@ -298,8 +320,11 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
             "paper_range": {k: rng["paper_range"][k] for k in ("lower", "upper", "lower_by", "upper_by")},
             "saturated_share": SATURATED, "mode": MODE,
             "points": [{k: r[k] for k in ("p", "d", "inside", "predicted", "measured", "most_utilized", "utilization",
-                                          "expected", "predicted_utilization", "match", "window_s", "faithful", "key")}
+                                          "expected", "predicted_utilization", "match", "window_s", "windows",
+                                          "predicted_share_ci95", "faithful", "key")}
                        for r in rows],
             "all_match": bool(rows) and all(r["match"] for r in rows)}
     return Result(ID, TITLE, heads, render(done, rng, out), used, data=data, notes=notes,
-                  scale_down=plan(quick).scale_down, sections=sections)
+                  scale_down=plan(quick).scale_down, sections=sections,
+                  shortfalls=[f"{r['p']}P{r['d']}D: its loaded window holds {r['windows']} windows of {WINDOW_S:g} "
+                              f"emulated s, fewer than {MIN_LOADED}" for r in done if r.get("windows", 0) < MIN_LOADED])

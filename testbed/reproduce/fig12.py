@@ -25,7 +25,7 @@ from testbed.measure import plots
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
-from testbed.reproduce.spread import Draws, map_draws, mean_draws, means_ratio_draws, ratio_draws
+from testbed.reproduce.spread import Draws, map_draws, mean_draws, ratio_draws, sample_ratio_draws
 
 ID = "fig12"
 TITLE = "TTFT breakdown against APS (left) and the ablation ladder (right)"
@@ -33,13 +33,16 @@ LADDER = ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle")
 PARTS = ("queue", "alloc", "read", "prefill")
 PART_COLORS = {"queue": "#8c8c8c", "alloc": "#ccb974", "read": "#4c72b0", "prefill": "#c44e52"}
 TOPOLOGY = "1p1d-io"
+LADDER_TURNS = 2.5  # the full ladder's turn divisor (fig7's)
 
 
 def ladder_configs(quick: bool) -> list[RunConfig]:
     if quick:
         return [RunConfig("fig12/ladder/demo-24", TOPOLOGY, LADDER, WorkloadSpec(agents=24),
                           topology_overrides=dict(IO_1P1D_OVERRIDES), params={"agents": 24})]
-    return [RunConfig(f"fig12/ladder/64K-{a}", TOPOLOGY, LADDER, WorkloadSpec(preset="64K", scale=PAPER_SCALE, agents=a),
+    # turns / 2.5, as fig7's full size, so that the ladder and the grid fit the hour an id may take
+    return [RunConfig(f"fig12/ladder/64K-{a}", TOPOLOGY, LADDER,
+                      WorkloadSpec(preset="64K", scale=PAPER_SCALE, agents=a, turns_scale=LADDER_TURNS),
                       topology_overrides=dict(IO_1P1D_OVERRIDES), params={"agents": a}) for a in (12, 24)]
 
 
@@ -51,7 +54,8 @@ def plan(quick: bool = False) -> Plan:
         grid = [on.configs[0], past]
     lad = ladder_configs(quick)
     right = ("the demo workload, 24 agents (`make demo`)" if quick else
-             f"the paper's 64K trace with lengths / {PAPER_SCALE}, 12 and 24 agents (the paper: 1024 and 2048)")
+             f"the paper's 64K trace with lengths / {PAPER_SCALE} and turns / {LADDER_TURNS:g}, 12 and 24 agents "
+             "(the paper: 1024 and 2048)")
     return Plan(ID, quick, grid + lad, scale_down=f"left: {on.scale_down}. Right: 1P1D (1p1d-io, links "
                                                             f"x{IO_1P1D_OVERRIDES['scale']:g}), {right}",
                 notes=on.notes, search=None)
@@ -99,8 +103,8 @@ def read_growth(runs: dict, mode: str) -> Draws:
     by = sorted((r for r in online.online_runs(runs) if r.has(mode) and measured_parts(r, mode)), key=lambda r: r.aps)
     if len(by) < 2:
         return Draws(None, None, 0, "")
-    return means_ratio_draws([p["read"] for p in measured_parts(by[-1], mode)],
-                             [p["read"] for p in measured_parts(by[0], mode)], "requests")
+    return sample_ratio_draws([p["read"] for p in measured_parts(by[-1], mode)],
+                              [p["read"] for p in measured_parts(by[0], mode)], "requests")
 
 
 def left(runs: dict) -> dict[str, list[dict]]:
@@ -157,7 +161,9 @@ def right(runs: dict, quick: bool) -> list[dict]:
             continue
         j = {m: jct(r, m) for m in LADDER}
         red = {m: (1 - j[m] / j["basic"]) if j.get(m) is not None and j.get("basic") else None for m in LADDER}
-        out.append({"key": cfg.key, "agents": cfg.params["agents"], "jct_s": j, "reduction": red, "bound": pd_bound(r)})
+        rel_ci = {m: ratio_draws((r, m), (r, "basic")).estimate().ci95 for m in LADDER if m != "basic"}
+        out.append({"key": cfg.key, "agents": cfg.params["agents"], "jct_s": j, "reduction": red,
+                    "relative_ci95": rel_ci, "bound": pd_bound(r)})
     return out
 
 
@@ -170,6 +176,9 @@ def render_right(rows: list[dict], out: Path) -> list[str]:
     rel = {m: [(c["jct_s"][m] / c["jct_s"]["basic"]) if c["jct_s"][m] is not None and c["jct_s"]["basic"] else None
                for c in rows] for m in LADDER}
     bars = plots.grouped_bars(ax, groups, rel, annotate=False)
+    for i, (m, bs) in enumerate(bars.items()):
+        plots.interval_bars(ax, [b.get_x() + b.get_width() / 2 for b in bs], rel[m],
+                            [c.get("relative_ci95", {}).get(m) for c in rows], label="95 % interval" if i == 0 else None)
     for m, bs in bars.items():
         for b, c in zip(bs, rows):
             v = c["jct_s"][m]

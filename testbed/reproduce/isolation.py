@@ -37,6 +37,7 @@ from testbed.measure.collectives import collective_rows
 from testbed.measure.metrics import percentiles
 from testbed.reproduce.common import Headline, Result, UsedRun, ratio
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
+from testbed.reproduce.spread import Draws, map_draws, sample_draws, sample_ratio_draws
 
 ID = "isolation"
 TITLE = "Collectives beside saturating KV traffic: QoS on vs QoS off"
@@ -278,7 +279,8 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     if run is None and len(runs) == 1:
         run = next(iter(runs.values()))
     conds = [c for c in CONDITIONS if run is not None and run.has(c)]
-    matched = matched_collectives({c: collective_rows(run.passes(c), run.steps(c)) for c in conds})
+    colls = {c: collective_rows(run.passes(c), run.steps(c)) for c in conds}
+    matched = matched_collectives(colls)
     nums = {c: condition_numbers(run, c, matched[c]) for c in conds}
     chk = checks(nums)
     p99 = {c: _get(nums, c, "collective", "p99") for c in CONDITIONS}
@@ -303,13 +305,16 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         "thresholds": {"qos_on_max_over_idle": ON_MAX, "qos_off_min_over_idle": OFF_MIN, "kv_on_over_off_min": KV_MIN,
                        "flat_last_over_middle_third_max": FLAT_MAX, "plateau_band": PLATEAU_BAND},
     }
-    heads = [Headline(f"collective p99, {LABELS[c]} (emulated ms, all collectives)",
-                      p99[c] * 1e3 if p99[c] is not None else None) for c in CONDITIONS]
-    heads += [Headline("collective p99 with QoS on / idle (x, all collectives; issue: <= 1.1)", over["qos_on"], None, 1.0),
-              Headline("collective p99 with QoS off / idle (x, all collectives; issue: >= 2)", over["qos_off"]),
-              Headline("collective p99 with QoS on / idle (x, the sizes all conditions ran)", over_matched["qos_on"],
-                       None, 1.0),
-              Headline("collective p99 with QoS off / idle (x, the sizes all conditions ran)", over_matched["qos_off"]),
+    heads = [Headline.of(f"collective p99, {LABELS[c]} (emulated ms, all collectives)",
+                         p99_draws(colls, c, run.dilation if run else 1.0).estimate()) for c in CONDITIONS]
+    heads += [Headline.of("collective p99 with QoS on / idle (x, all collectives; issue: <= 1.1)",
+                          p99_ratio_draws(colls, "qos_on").estimate(), None, 1.0),
+              Headline.of("collective p99 with QoS off / idle (x, all collectives; issue: >= 2)",
+                          p99_ratio_draws(colls, "qos_off").estimate()),
+              Headline.of("collective p99 with QoS on / idle (x, the sizes all conditions ran)",
+                          p99_ratio_draws(matched, "qos_on").estimate(), None, 1.0),
+              Headline.of("collective p99 with QoS off / idle (x, the sizes all conditions ran)",
+                          p99_ratio_draws(matched, "qos_off").estimate()),
               Headline("kv load throughput, QoS on / off (x; issue: >= 0.9)", kv, None, 1.0)]
     for metric in ("ttft_s", "tpot_s"):
         c = chk[f"{metric}_p99"]
@@ -320,6 +325,18 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     pngs = render(run, nums, out) if run is not None else []
     return Result(ID, TITLE, heads, pngs, used, data=data, notes=notes, scale_down=plan(quick).scale_down,
                   sections=_table(nums))
+
+
+def p99_draws(colls: dict[str, list[dict]], cond: str, k: float) -> Draws:
+    """A condition's collective p99 in emulated ms, with a bootstrap over its collectives."""
+    return map_draws(sample_draws([r["s"] for r in colls.get(cond, [])], "collectives", q=99),
+                     lambda x: x / k * 1e3)
+
+
+def p99_ratio_draws(colls: dict[str, list[dict]], cond: str) -> Draws:
+    """A condition's collective p99 over idle's, with a bootstrap over each one's collectives."""
+    return sample_ratio_draws([r["s"] for r in colls.get(cond, [])], [r["s"] for r in colls.get("idle", [])],
+                              "collectives", q=99)
 
 
 def _notes(nums: dict, chk: dict, queue: dict) -> list[str]:

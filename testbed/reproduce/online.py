@@ -70,8 +70,11 @@ def online_configs(quick: bool) -> list[RunConfig]:
     """The APS grid of figures 10, 11 and 12 left: 1p1d-io, basic and dualpath, the demo's
     agents arriving at fractions of DualPath's I/O-bound capacity (twice basic's on 1P1D)."""
     cap = capacity_aps("dualpath")
-    fractions = (0.3, 0.55, 0.8) if quick else (0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 1.1)
-    arrivals_s = 7.0 if quick else 20.0  # emulated seconds of arrivals per run
+    # full: twice quick's arrivals and one point past DualPath's I/O capacity; four points and 14 s
+    # so that the grid and the bisection fit the hour an id may take here (seven points of 20 s
+    # took 106 min by --plan before a probe)
+    fractions = (0.3, 0.55, 0.8) if quick else (0.3, 0.55, 0.8, 1.05)
+    arrivals_s = 7.0 if quick else 14.0  # emulated seconds of arrivals per run
     out = []
     for f in fractions:
         aps = round(cap * f, 2)
@@ -88,7 +91,7 @@ def online_plan(fig_id: str, quick: bool) -> Plan:
                 scale_down=(f"1P1D with a 30 Gbit/s (s = 0.075) storage NIC per node, links x{IO_1P1D_OVERRIDES['scale']:g}; the demo's "
                             "agents (10 turns, ~660-token contexts, 1/50 of the paper's 32K); SLO as the paper's "
                             "(TTFT <= 4 s, TPOT <= 50 ms, emulated); steady-state rule scaled (testbed.reproduce.online)"),
-                search=OnlineSearch(MODES, rel_tol=0.1, max_probes=6 if quick else 8))
+                search=OnlineSearch(MODES, rel_tol=0.1, max_probes=6 if quick else 5))
 
 
 # --------------------------------------------------------------------------- per request

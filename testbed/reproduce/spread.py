@@ -91,6 +91,11 @@ class Draws:
 
 NONE = Draws(None, None, 0, JCT_METHOD)
 
+
+def ci_text(ci: Sequence[float] | None, fmt: str = "{:.2f}") -> str:
+    """' [lo, hi]' for a plot's label, '' without an interval."""
+    return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else ""
+
 # What a resample of the agents is reduced to: per agent a number from its (arrival, finish), the
 # reduction, and the run's own value the whole set is scaled to (its clock stops a little before
 # the last record is stamped, and its agent JCT counts from the agent's arrival).
@@ -193,15 +198,28 @@ def difference_draws(a: Draws, b: Draws) -> Draws:
     return Draws(a.value - b.value, d, min(a.n, b.n), a.method)
 
 
-def means_ratio_draws(a: Sequence[float], b: Sequence[float], what: str) -> Draws:
-    """mean(a) / mean(b), each resampled apart (two runs' requests, say); `what` names the units."""
-    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if not xa.size or not xb.size or not xb.mean():
+def _stat(a: np.ndarray, q: float | None, axis: int | None = None):
+    return a.mean(axis=axis) if q is None else np.percentile(a, q, axis=axis)
+
+
+def sample_draws(xs: Sequence[float], what: str, q: float | None = None, seed: int = 0) -> Draws:
+    """The mean (q None) or the q-th percentile of xs, with a bootstrap over them; `what` names the
+    units (requests, collectives)."""
+    x = np.asarray([v for v in xs if v is not None], dtype=float)
+    name = "mean" if q is None else f"p{q:g}"
+    if not x.size:
         return Draws(None, None, 0, f"bootstrap over {what}")
+    draws = _stat(np.random.default_rng(seed).choice(x, size=(REPS, x.size)), q, axis=1) if x.size > 1 else None
+    return Draws(float(_stat(x, q)), draws, int(x.size), f"bootstrap over {what} (2,000 resamples of the {name})")
+
+
+def sample_ratio_draws(a: Sequence[float], b: Sequence[float], what: str, q: float | None = None) -> Draws:
+    """stat(a) / stat(b), the mean or the q-th percentile, each sample resampled apart (two
+    conditions' collectives, two runs' requests)."""
+    da, db = sample_draws(a, what, q, seed=0), sample_draws(b, what, q, seed=1)
+    if da.value is None or not db.value:
+        return Draws(None, None, 0, da.method)
     draws = None
-    if xa.size > 1 and xb.size > 1:
-        ra = np.random.default_rng(0).choice(xa, size=(REPS, xa.size)).mean(axis=1)
-        rb = np.random.default_rng(1).choice(xb, size=(REPS, xb.size)).mean(axis=1)
-        draws = ra / np.where(rb == 0, np.nan, rb)
-    return Draws(float(xa.mean() / xb.mean()), draws, int(min(xa.size, xb.size)),
-                 f"bootstrap over {what} (2,000 resamples, each run apart)")
+    if da.draws is not None and db.draws is not None:
+        draws = da.draws / np.where(db.draws == 0, np.nan, db.draws)
+    return Draws(da.value / db.value, draws, min(da.n, db.n), da.method.replace(" (", " (each apart; ", 1))
