@@ -68,7 +68,7 @@ def test_plan_sweeps_below_inside_and_above_the_testbeds_range():
         for c in plan.configs:  # a valid topology, its P and D as the point says, one mode
             t = c.topology_obj()
             assert (t.spec.prefill_nodes, t.spec.decode_nodes) == (c.params["p"], c.params["d"]) and c.modes == ("dualpath",)
-    assert bounds.plan(True).estimate_s() <= 600
+    assert bounds.plan(True).estimate_s() <= 900  # every turn, so that each loaded window holds 20 windows
 
 
 def test_loaded_window_from_first_turns_to_a_quarter_finished():

@@ -103,7 +103,12 @@ def test_quick_plans_are_estimated_within_ten_minutes(fig_id):
     from dataclasses import replace
 
     plan = module(fig_id).plan(True)
-    assert replace(plan, search=None).estimate_s() / plan.seeds <= 600
+    assert replace(plan, search=None).estimate_s() / plan.seeds <= QUICK_LIMIT_S.get(fig_id, 600)
+
+
+# bounds' five runs take every turn, so that each point's loaded window holds the 20 windows a
+# per-window share needs (half the turns gave 14 to 19)
+QUICK_LIMIT_S = {"bounds": 900}
 
 
 def test_the_online_figures_share_their_runs():

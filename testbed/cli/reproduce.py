@@ -13,7 +13,7 @@ from testbed.cli.shared import _fail, _need_root, app
 @app.command()
 def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3, fig7 ... fig15, bounds, isolation (see "
                                                 "--list); `all`: every id, then the index; `index`: the index only"),
-              quick: bool = typer.Option(False, "--quick", help="the small size (at most ~10 min of runs)"),
+              quick: bool = typer.Option(False, "--quick", help="the small size (about 10 min of runs per workload; --plan says how long)"),
               out: Path = typer.Option(Path("results/reproduce"), help="results go to OUT/<id>/<run-id>/, runs to OUT/runs/"),
               list_ids: bool = typer.Option(False, "--list", help="print the ids, one per line"),
               plan_only: bool = typer.Option(False, "--plan", help="print the runs it needs and their estimated time; run nothing"),

@@ -147,10 +147,10 @@ class Run:
     def agent_spans_s(self, mode: str) -> dict[Any, tuple[float, float]]:
         """Per agent (trajectory), when its first turn arrived and its last turn finished (emulated
         s since the mode's start): the units a JCT (the last finish) and an agent's JCT are made
-        of. Failed requests count as not finished."""
+        of. Failed requests count as not finished; the warm-up request (trajectory < 0) is no agent."""
         out: dict[Any, list[float]] = {}
         for r in self.records(mode):
-            if r.get("error") or r.get("t_done") is None:
+            if r.get("error") or r.get("t_done") is None or (r.get("trajectory") or 0) < 0:
                 continue
             a = out.setdefault(r["trajectory"], [float(r["t_arrive"]), float(r["t_done"])])
             a[0], a[1] = min(a[0], float(r["t_arrive"])), max(a[1], float(r["t_done"]))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from testbed.measure import plots
 from testbed.reproduce import online
-from testbed.reproduce.common import Headline, Result, ratio
+from testbed.reproduce.common import Headline, Result
 from testbed.reproduce.fig10 import used_of
+from testbed.reproduce.spread import sample_draws, sample_ratio_draws
 
 ID = "fig11"
 TITLE = "Online average JCT against APS"
@@ -46,18 +47,25 @@ def common_point(cur: dict) -> float | None:
     return max(both) if both else None
 
 
+def agent_jcts_at(runs: dict, aps: float | None) -> dict[str, list[float]]:
+    """Each mode's agent JCTs (emulated s) in the run at `aps`: the units its mean, the curve's
+    point there, is over."""
+    run = next((r for r in online.online_runs(runs) if aps is not None and r.aps == aps), None)
+    return {m: online.agent_jcts(online.requests(run, m)) if run is not None and run.has(m) else []
+            for m in online.MODES}
+
+
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     cur = online.curves(runs)
     caps = online.capacities(cur)
     at = common_point(cur)
 
-    def j(m):
-        return next((p["jct_mean"] for p in cur.get(m, []) if p["aps"] == at), None)
-
+    jcts = agent_jcts_at(runs, at)
     name = f"at {at:g} APS" if at is not None else "at the highest APS both meet the SLO"
-    heads = [Headline(f"Basic mean JCT {name} (emulated s)", j("basic"), None, None),
-             Headline(f"DualPath mean JCT {name} (emulated s)", j("dualpath"), None, None),
-             Headline(f"Basic / DualPath mean JCT {name} (x)", ratio(j("basic"), j("dualpath")), None, None)]
+    heads = [Headline.of(f"Basic mean JCT {name} (emulated s)", sample_draws(jcts["basic"], "agents").estimate()),
+             Headline.of(f"DualPath mean JCT {name} (emulated s)", sample_draws(jcts["dualpath"], "agents").estimate()),
+             Headline.of(f"Basic / DualPath mean JCT {name} (x)",
+                         sample_ratio_draws(jcts["basic"], jcts["dualpath"], "agents").estimate())]
     notes = ["The paper gives no ratio for this figure; it uses it for the working set by Little's law "
              "(lambda x mean JCT x total length / 2: 69 GB at 0.1 APS to 681 GB at 0.45 APS for DS 660B)."]
     if not online.online_runs(runs):
