@@ -113,13 +113,15 @@ def paper_points(ax, xs: Sequence[float], ys: Sequence[float], text: str, marker
 
 
 def interval_bars(ax, xs: Sequence[float], ys: Sequence[float | None],
-                  cis: Sequence[Sequence[float] | None], label: str | None = "95 % interval") -> None:
-    """Error bars from each value's interval (asymmetric; none where a value has no interval)."""
+                  cis: Sequence[Sequence[float] | None], label: str | None = "95 % interval") -> bool:
+    """Error bars from each value's interval (asymmetric; none where a value has no interval);
+    whether it drew any."""
     pts = [(x, y, ci) for x, y, ci in zip(xs, ys, cis) if y is not None and ci]
     if pts:
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[max(0.0, p[1] - p[2][0]) for p in pts],
                                                                     [max(0.0, p[2][1] - p[1]) for p in pts]],
                     fmt="none", ecolor="black", capsize=4, lw=1, label=label, zorder=6)
+    return bool(pts)
 
 
 def note(ax, text: str) -> None:

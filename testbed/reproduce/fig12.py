@@ -176,9 +176,11 @@ def render_right(rows: list[dict], out: Path) -> list[str]:
     rel = {m: [(c["jct_s"][m] / c["jct_s"]["basic"]) if c["jct_s"][m] is not None and c["jct_s"]["basic"] else None
                for c in rows] for m in LADDER}
     bars = plots.grouped_bars(ax, groups, rel, annotate=False)
-    for i, (m, bs) in enumerate(bars.items()):
-        plots.interval_bars(ax, [b.get_x() + b.get_width() / 2 for b in bs], rel[m],
-                            [c.get("relative_ci95", {}).get(m) for c in rows], label="95 % interval" if i == 0 else None)
+    labelled = False
+    for m, bs in bars.items():
+        labelled |= plots.interval_bars(ax, [b.get_x() + b.get_width() / 2 for b in bs], rel[m],
+                                        [c.get("relative_ci95", {}).get(m) for c in rows],
+                                        label=None if labelled else "95 % interval")
     for m, bs in bars.items():
         for b, c in zip(bs, rows):
             v = c["jct_s"][m]

@@ -95,7 +95,7 @@ def render(rows: list[dict], eq: dict, out: Path) -> list[str]:
     plots.interval_bars(ax, list(xs), [c["speedup"] for c in rows], [c["speedup_ci95"] for c in rows])
     for x, c in zip(xs, rows):
         if c["speedup"] is not None:
-            top = c["speedup_ci95"][1] if c["speedup_ci95"] else c["speedup"]
+            top = max(c["speedup_ci95"][1] if c["speedup_ci95"] else c["speedup"], c["bound"] or 0)  # above the bound's mark
             ax.annotate(f"{c['speedup']:.2f}x{ci_text(c['speedup_ci95'])}", (x, top), ha="center", va="bottom",
                         fontsize=8, xytext=(0, 2), textcoords="offset points")
     bx = [(x, c["bound"]) for x, c in zip(xs, rows) if c["bound"]]
