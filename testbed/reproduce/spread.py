@@ -39,11 +39,7 @@ class Estimate:
 
 def bootstrap_ci(xs: Sequence[float], reps: int = REPS, seed: int = 0) -> tuple[float, float] | None:
     """95 % percentile-bootstrap interval of the mean (None below two samples)."""
-    a = np.asarray([x for x in xs if x is not None], dtype=float)
-    if a.size < 2:
-        return None
-    means = np.random.default_rng(seed).choice(a, size=(reps, a.size), replace=True).mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    return sample_draws(xs, "samples", seed=seed, reps=reps).estimate().ci95
 
 
 # Student-t 97.5 % quantiles for 1..30 degrees of freedom; the normal's beyond
@@ -96,6 +92,7 @@ def ci_text(ci: Sequence[float] | None, fmt: str = "{:.2f}") -> str:
     """' [lo, hi]' for a plot's label, '' without an interval."""
     return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else ""
 
+
 # What a resample of the agents is reduced to: per agent a number from its (arrival, finish), the
 # reduction, and the run's own value the whole set is scaled to (its clock stops a little before
 # the last record is stamped, and its agent JCT counts from the agent's arrival).
@@ -112,10 +109,11 @@ def _per_agent(run: "Run", mode: str, stat: str) -> dict[Any, float]:
     return {k: f(a, d) for k, (a, d) in run.agent_spans_s(mode).items()}
 
 
-def _resampled(run: "Run", mode: str, stat: str, agents: Sequence, idx: np.ndarray) -> np.ndarray:
-    """The statistic of each resample of `agents`, scaled so that the whole set gives the run's own."""
+def _resampled(run: "Run", mode: str, stat: str, per: dict[Any, float], agents: Sequence,
+               idx: np.ndarray) -> np.ndarray:
+    """The statistic of each resample of `agents` (per: their values, _per_agent), scaled so that
+    the whole set gives the run's own."""
     _, reduce, own = STATS[stat]
-    per = _per_agent(run, mode, stat)
     a = np.asarray([per[x] for x in agents], dtype=float)
     full = float(reduce(a))
     target = own(run, mode)
@@ -139,11 +137,12 @@ def _value(run: "Run", mode: str, stat: str) -> float | None:
 
 def jct_draws(run: "Run", mode: str, seed: int = 0, stat: str = "jct") -> Draws:
     """A mode's JCT (or mean agent JCT), emulated s, with a bootstrap over its agents."""
-    agents = sorted(_per_agent(run, mode, stat), key=str)
+    per = _per_agent(run, mode, stat)
+    agents = sorted(per, key=str)
     value = _value(run, mode, stat)
     if not agents or value is None:
         return Draws(value, None, 0, JCT_METHOD)
-    return Draws(value, _resampled(run, mode, stat, agents, _idx(len(agents), seed)), len(agents), JCT_METHOD)
+    return Draws(value, _resampled(run, mode, stat, per, agents, _idx(len(agents), seed)), len(agents), JCT_METHOD)
 
 
 def ratio_draws(num: tuple["Run", str], den: tuple["Run", str], seed: int = 0, stat: str = "jct") -> Draws:
@@ -159,10 +158,10 @@ def ratio_draws(num: tuple["Run", str], den: tuple["Run", str], seed: int = 0, s
     if set(fa) == set(fb):
         agents = sorted(fa, key=str)
         idx = _idx(len(agents), seed)
-        return Draws(vn / vd, _resampled(rn, mn, stat, agents, idx) / _resampled(rd, md, stat, agents, idx),
+        return Draws(vn / vd, _resampled(rn, mn, stat, fa, agents, idx) / _resampled(rd, md, stat, fb, agents, idx),
                      len(agents), PAIRED_METHOD)
     a, b = sorted(fa, key=str), sorted(fb, key=str)
-    d = _resampled(rn, mn, stat, a, _idx(len(a), seed)) / _resampled(rd, md, stat, b, _idx(len(b), seed + 1))
+    d = _resampled(rn, mn, stat, fa, a, _idx(len(a), seed)) / _resampled(rd, md, stat, fb, b, _idx(len(b), seed + 1))
     return Draws(vn / vd, d, min(len(a), len(b)), JCT_METHOD + "; the two runs resampled apart")
 
 
@@ -202,14 +201,14 @@ def _stat(a: np.ndarray, q: float | None, axis: int | None = None):
     return a.mean(axis=axis) if q is None else np.percentile(a, q, axis=axis)
 
 
-def sample_draws(xs: Sequence[float], what: str, q: float | None = None, seed: int = 0) -> Draws:
+def sample_draws(xs: Sequence[float], what: str, q: float | None = None, seed: int = 0, reps: int = REPS) -> Draws:
     """The mean (q None) or the q-th percentile of xs, with a bootstrap over them; `what` names the
     units (requests, collectives)."""
     x = np.asarray([v for v in xs if v is not None], dtype=float)
     name = "mean" if q is None else f"p{q:g}"
     if not x.size:
         return Draws(None, None, 0, f"bootstrap over {what}")
-    draws = _stat(np.random.default_rng(seed).choice(x, size=(REPS, x.size)), q, axis=1) if x.size > 1 else None
+    draws = _stat(np.random.default_rng(seed).choice(x, size=(reps, x.size)), q, axis=1) if x.size > 1 else None
     return Draws(float(_stat(x, q)), draws, int(x.size), f"bootstrap over {what} (2,000 resamples of the {name})")
 
 
