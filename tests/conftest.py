@@ -78,6 +78,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         print(f"\ntests: removed leftovers of an earlier testbed run before the suite: {found.summary()}")
 
 
+def own_the_machine() -> None:
+    """Before a test brings its own testbed up: skip while another run holds one (cleaning would
+    destroy a reproduce or a demo in progress), else remove an earlier run's leftovers."""
+    from testbed.fabric.cleanup import clean, find_leftovers, live_owners
+
+    live = live_owners()
+    if live:
+        pytest.skip(f"the machine holds one testbed at a time, and pid {', '.join(map(str, sorted(live)))} "
+                    f"holds one up now")
+    if not find_leftovers().empty():
+        clean(verbose=False)
+
+
 @pytest.fixture
 def no_leftovers():
     """Fails the test if it leaves anything of the testbed behind; cleans up either way."""

@@ -11,16 +11,15 @@ import pytest
 from testbed.calibrate.benches import burst
 from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
-from tests.conftest import REPO, needs_root
+from tests.conftest import REPO, needs_root, own_the_machine
 
 pytestmark = needs_root
 
 
 def test_fresh_transfers_leave_near_the_bucket_model_on_every_nic_kind(monkeypatch):
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     monkeypatch.setattr(burst, "REPEATS", 3)
     monkeypatch.setattr(burst, "IDLE_S", 0.5)
     topo = load_topology(REPO / "topologies" / "1p1d-io.yaml")

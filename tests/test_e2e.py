@@ -16,7 +16,7 @@ from testbed.experiments.results import summarize
 from testbed.cluster.runclock import RunClock
 from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
-from tests.conftest import REPO, needs_root
+from tests.conftest import REPO, needs_root, own_the_machine
 
 pytestmark = needs_root
 TOPO = REPO / "topologies" / "1p1d.yaml"
@@ -34,10 +34,9 @@ def workload():
 
 @pytest.fixture(scope="module")
 def summary(checkpoint, workload, tmp_path_factory):
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     with Fabric(load_topology(TOPO)) as fab:
         results = run_e2e(fab, workload, checkpoint, tmp_path_factory.mktemp("run"),
                           modes=("basic", "layerwise", "dualpath", "dualpath-rr", "oracle"),
@@ -163,10 +162,9 @@ def test_asking_for_rdma_without_it_fails_loudly(no_leftovers, transport):
 def scheduled(checkpoint, tmp_path_factory):
     """dualpath and dualpath-split through the live scheduler service, with a compute quota small
     enough that cold first turns must be chunked."""
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     wl = generate(demo_workload(seed=2, n_trajectories=3, turns_mean=3.0, turns_min=3, first_append_len=192))
     with Fabric(load_topology(REPO / "topologies" / "1p2d.yaml")) as fab:
         results = run_e2e(fab, wl, checkpoint, tmp_path_factory.mktemp("run"), modes=("dualpath", "dualpath-split"),

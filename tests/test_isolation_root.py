@@ -23,7 +23,7 @@ from testbed.fabric.network import Fabric
 from testbed.experiments.kvload import KvLoad
 from testbed.fabric.shell import ns_argv
 from testbed.topology import load_topology
-from tests.conftest import REPO, needs_root
+from tests.conftest import REPO, needs_root, own_the_machine
 
 pytestmark = needs_root
 TOPO = REPO / "topologies" / "1p1d-isolation.yaml"
@@ -58,10 +58,9 @@ def _htb(fab: Fabric, eng: str, qos: bool) -> dict[str, int]:
 # otherwise clean it away underneath its owner (mininet's stop then waits on dead shells forever)
 @pytest.fixture(scope="class")
 def fabric():
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     with Fabric(load_topology(TOPO)) as fab:
         a, b = "dpt-p0e0", "dpt-p0e1"
         resp = subprocess.Popen(ns_argv(b, [sys.executable, "-m", "dualpath.nodes.collective_peer", "--ip",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, needs_root
+from tests.conftest import REPO, needs_root, own_the_machine
 
 pytestmark = needs_root
 TOPO = REPO / "topologies" / "1p1d.yaml"
@@ -29,15 +29,14 @@ def text_ckpt(tmp_path_factory, smollm2_dir) -> Path:
 
 def test_records_carry_the_text_of_every_request(text_ckpt, tmp_path):
     from dualpath.workload.text import decode, has_chat_template, text_workload
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
     from testbed.experiments.ablation import run_to_folder
     from testbed.paths import code_version
     from testbed.topology import load_topology
 
     assert has_chat_template(text_ckpt)
     wl = text_workload(text_ckpt, gen_len=3, n_conversations=2)
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     run_dir = tmp_path / "run"
     summary = run_to_folder(load_topology(TOPO), wl, text_ckpt, run_dir, "test", ("dualpath",), lambda _m: None)
     assert find_leftovers().empty()

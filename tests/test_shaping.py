@@ -9,17 +9,16 @@ import pytest
 from testbed.calibrate.check import check
 from testbed.fabric.network import Fabric
 from testbed.topology import load_topology
-from tests.conftest import REPO, needs_root
+from tests.conftest import REPO, needs_root, own_the_machine
 
 pytestmark = needs_root
 
 
 @pytest.fixture(scope="module")
 def report():
-    from testbed.fabric.cleanup import clean, find_leftovers
+    from testbed.fabric.cleanup import find_leftovers
 
-    if not find_leftovers().empty():
-        clean(verbose=False)
+    own_the_machine()
     with Fabric(load_topology(REPO / "topologies" / "1p1d.yaml")) as fab:
         rep = check(fab, seconds=2.0, progress=lambda _m: None)
     assert find_leftovers().empty()
