@@ -48,6 +48,7 @@ from dualpath.lifecycle.request import RequestLifecycle
 from dualpath.nodes.leader import HEARTBEAT_S
 from dualpath.scheduler.core import Scheduler
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
+from dualpath.scheduler.hbm import HbmPlan
 from dualpath.scheduler.records import EngineReport, Request, Role
 from dualpath.scheduler.service import Doorbell
 from dualpath.scheduler.thresholds import Profile
@@ -94,6 +95,7 @@ class SimConfig:
     # an idle link's first bytes leave at line rate. Empty: no buckets (the target's own NICs).
     buckets: dict[str, float] = field(default_factory=dict)
     seed: int = 0  # draws the calibration's latency jitter (none when it is 0)
+    hbm: HbmPlan | None = None  # the target's HBM per engine: prefill passes are packed against it
 
     @property
     def full_block_bytes(self) -> int:
@@ -174,9 +176,10 @@ class ClusterSim(LifecycleSteps):
         # Trace agents share one store, keyed by block: what the warm-up persisted before the mode's
         # first request, then what every request's write-back (or the oracle) persists.
         self.index = StoreIndex(k for ks in warm_keys for k in ks)
-        self.batcher = PrefillBatcher(cfg.prefill_cost, cfg.quota_s, cfg.kv_bytes_per_token, lambda: self.env.now)
+        self.batcher = PrefillBatcher(cfg.prefill_cost, cfg.quota_s, cfg.kv_bytes_per_token, lambda: self.env.now,
+                                      cfg.hbm.prefill(connector) if cfg.hbm else None)
         self.lifecycle = RequestLifecycle(cfg, connector, self.index, lambda e: self.engines[e].node.name,
-                                          lambda: self.env.now)
+                                          lambda: self.env.now, hbm=cfg.hbm)
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
 

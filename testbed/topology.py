@@ -67,6 +67,7 @@ TOPOLOGIES = REPO / "topologies"  # the shipped topologies
 
 
 DEFAULT_TOPOLOGY = TOPOLOGIES / "1p1d.yaml"
+PAPER_MAXLEN_TOKENS = 65536  # the paper's longest trace set (MaxLen 64K): `dualpath topo` sizes batches at it
 
 
 # One fix hint per field, used in error messages.
@@ -295,6 +296,12 @@ class Topology:
 
         return target(self.spec.target.gpu, self.spec.target.model)
 
+    def hbm_budget(self):
+        """One engine's HBM on the target, in target bytes (emulators.gpu.memory.HbmBudget)."""
+        from emulators.gpu.memory import hbm_budget
+
+        return hbm_budget(self.target())
+
     def dilation(self, testbed_kv_bytes_per_token: int) -> float:
         """k: testbed seconds per emulated second, for a testbed model with this many KV bytes
         per token (1 on the CPU's own clock)."""
@@ -333,8 +340,24 @@ class Topology:
                if s.gso_max_bytes else ""),
             *self._testbed_bound_lines(),
             time_line,
+            *self._hbm_lines(),
             *([self._hosts_line()] if s.hosts == "docker" else []),
         ]
+
+    def _hbm_lines(self) -> list[str]:
+        """Each engine's HBM for KV on the target, and the largest prefill batch it allows."""
+        if not self.emulated:
+            return []
+        from dualpath.workload.spec import PAPER_SCALE
+
+        b, ctx = self.hbm_budget(), PAPER_MAXLEN_TOKENS // PAPER_SCALE
+        basic, lw = b.largest_batch_tokens(ctx, True), b.largest_batch_tokens(ctx, False)
+        return [f"HBM per engine (target bytes): {b.capacity_bytes / 1e9:.0f} GB less {b.weight_bytes / 1e9:.1f} GB of "
+                f"weights less a {b.reserve_bytes / 1e9:.0f} GB reserve = {b.budget_bytes / 1e9:.2f} GB for KV, "
+                f"{b.decode().tokens:,} tokens (a decode batch's limit)",
+                f"largest prefill batch at a {ctx:,}-token context (the 64K MaxLen at length scale {PAPER_SCALE}): "
+                f"Basic {basic:,} tokens ({basic // (ctx + 1)} requests), Layerwise and DualPath {lw:,} tokens "
+                f"({lw // (ctx + 1)} requests)"]
 
     def _hosts_line(self) -> str:
         lim = self.spec.container_limits

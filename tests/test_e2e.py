@@ -88,6 +88,20 @@ def test_layerwise_keeps_about_one_layer_of_hit_kv_in_hbm(summary):
     assert summary["modes"]["dualpath"]["peak_hit_kv_layers_in_hbm"]["max"] <= 2
 
 
+def test_every_pass_and_step_counts_its_kv_against_the_targets_hbm(summary):
+    # the testbed model's own record (above) and the target's bytes agree on what Basic holds:
+    # every layer of the past, so a Basic pass holds more per token than a Layer-Block one
+    budget = summary["time"]["hbm"]["basic_pass"]["budget_bytes"]
+    for mode in ("basic", "layerwise", "dualpath"):
+        pre, dec = summary["modes"][mode]["prefill_batches"], summary["modes"][mode]["decode_batches"]
+        assert 0 < pre["hbm_peak_bytes"] <= budget and 0 < dec["hbm_peak_bytes"] <= budget
+        assert pre["requests"]["max"] >= 1 and dec["tokens"]["max"] >= dec["tokens"]["p50"] > 0
+    per_token = {m: summary["modes"][m]["prefill_batches"]["hbm_peak_bytes"] / summary["modes"][m]["prefill_batches"]["tokens"]["max"]
+                 for m in ("basic", "layerwise")}
+    assert per_token["basic"] == pytest.approx(summary["time"]["kv_bytes_per_token"]["target"])
+    assert per_token["layerwise"] < per_token["basic"]
+
+
 def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_cleanly(checkpoint, workload, tmp_path,
                                                                                    no_leftovers):
     geom = run_geometry(checkpoint)

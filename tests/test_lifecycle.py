@@ -213,3 +213,48 @@ def test_run_async_turns_an_executors_errors_into_step_errors_the_lifecycle_sees
     assert seen == [("'the executors own error'", "KeyError")]
     with pytest.raises(KeyError):  # not one the request survives: out through the lifecycle
         asyncio.run(run_async(steps(), perform))
+
+
+def test_a_request_no_engine_could_hold_fails_before_it_is_routed_naming_the_budget():
+    from dualpath.scheduler.hbm import DecodeHbm, HbmLimit, HbmPlan
+
+    lim = HbmLimit(budget_bytes=1000, past_bytes_per_token=10, new_bytes_per_token=10)
+    plan = HbmPlan(lim, lim, DecodeHbm(budget_bytes=200, kv_bytes_per_token=10))  # 20 tokens per DE
+    clock = iter(range(1000))
+    lc = RequestLifecycle(Geom(), "layerwise", StoreIndex(), lambda e: e[:2], lambda: float(next(clock)), hbm=plan)
+    rec, s = RequestRecord("r", 0, 0, "m"), Script()
+    s.run(lc.request(rec, PROMPT, 7, KEYS, context_keys))  # 18 + 7 = 25 tokens of KV > 20
+    assert s.log == [] and rec.error.startswith("request r: its 25 tokens of KV need") and "200" not in rec.error
+    assert "0.00 GB" in rec.error and "(20 tokens" in rec.error
+    rec2, s2 = RequestRecord("r2", 0, 0, "m"), Script()
+    s2.run(lc.request(rec2, PROMPT[:10], 7, KEYS[:2], context_keys))  # 17 tokens: fits and runs
+    assert rec2.error == "" and type(s2.log[0]).__name__ == "AskRoute"
+
+
+def test_a_pass_records_its_batch_tokens_and_hbm_use():
+    from dualpath.scheduler.hbm import HbmLimit
+
+    lim = HbmLimit(budget_bytes=25, past_bytes_per_token=1, new_bytes_per_token=1)
+    b = PrefillBatcher(AttentionCostModel(per_new=1e-9), 1.0, 10, lambda: 0.0, lim)
+    jobs = []
+    for i in range(3):
+        rec = RequestRecord(f"r{i}", i, 0, "m")
+        rec.n_hit = 4
+        plan = type("P", (), {"n_prompt": 10})()
+        jobs.append(PrefillJob(rec, plan, f"r{i}", 4, lambda j, e: None))
+    assert b.push("p0", jobs[0]) and not b.push("p0", jobs[1]) and not b.push("p0", jobs[2])
+    gen, sizes, reply = b.passes_of("p0"), [], None
+    while True:
+        try:
+            step = gen.send(reply)
+        except StopIteration:
+            break
+        reply = None
+        if isinstance(step, RunPass):
+            sizes.append(len(step.jobs))
+            res = [PassResult(first_token=1, attention_s=0.0, read_wait_s=0.0, crcs=[]) for _ in step.jobs]
+            reply = PassOutcome(results=res, record={}, t_end=0.0)
+    # 10 tokens each in a 25-byte budget: r2 gets the one new token that fits, then the rest
+    assert sizes == [3, 1]
+    assert [(p["batch_tokens"], p["hbm_peak_bytes"], p["hbm_limited"], p["chunked"]) for p in b.passes] == [
+        (25, 25, True, True), (10, 10, False, False)]

@@ -183,12 +183,12 @@ def test_the_conversation_traces_first_2000_requests_offline(tmp_path):
 
 
 def test_a_trace_whose_prompts_no_engine_could_hold_is_refused_instead_of_waiting_for_ever(tmp_path):
-    """Target units on 1p1d-io: an engine's 1 GiB of HBM is 4,096 tokens of the target's KV; a
-    prompt longer than that is never admitted, and the simulation would never end."""
+    """Target units on 1p1d-io: an H800's HBM left by Qwen2.5-32B's weights is 24,689 tokens of its
+    KV; a prompt longer than that is never admitted, and the simulation would never end."""
     topo, cfg = _cfg("target")
-    assert cfg.hbm_tokens < 5000
+    assert cfg.hbm_tokens == 24689
     path = tmp_path / "t.jsonl"
-    path.write_text(_line(0, 1000, [0]) + "\n" + _line(1000, 5000 * 16, list(range(1, 157))) + "\n")
+    path.write_text(_line(0, 1000, [0]) + "\n" + _line(1000, 25000 * 16, list(range(1, 783))) + "\n")
     tw = load_trace(TraceSpec(str(path), length_scale=16), RUN_BLOCK_TOKENS)
     with pytest.raises(ValueError, match=r"1 of the trace's 2 requests can never run.*HBM \(\d+ tokens"):
         simulate(cfg, None, ["dualpath"], trace=tw)

@@ -97,8 +97,18 @@ def test_the_time_scale_follows_the_target_and_the_link_scale():
     fast = parse_topology({**GOOD, "scale": 0.005})  # links twice as fast: time runs twice as fast
     assert fast.dilation(2048) == pytest.approx(t.dilation(2048) / 2)
     assert parse_topology({**GOOD, "compute": "cpu"}).dilation(2048) == 1.0
-    line = t.describe(2048)[-1]
+    line = next(x for x in t.describe(2048) if x.startswith("target "))
     assert "qwen2.5-32b on h800" in line and "dilation k = 3.12" in line
+
+
+def test_topo_shows_each_engines_hbm_budget_and_the_largest_batch_per_mode():
+    lines = parse_topology(GOOD).describe(2048)
+    hbm = next(x for x in lines if x.startswith("HBM per engine"))
+    # 80 GB less Qwen2.5-32B's 65.5 GB of BF16 weights less the 10 % reserve
+    assert "80 GB less 65.5 GB of weights less a 8 GB reserve = 6.47 GB for KV, 24,689 tokens" in hbm
+    batch = next(x for x in lines if x.startswith("largest prefill batch"))
+    assert "Basic 24,588 tokens (12 requests)" in batch and "(379 requests)" in batch
+    assert not any(x.startswith("HBM") for x in parse_topology({**GOOD, "compute": "cpu"}).describe(2048))
 
 
 def test_cli_topo_prints_target_and_dilation():

@@ -31,6 +31,7 @@ from dualpath.engines.collective import CollectiveGroup
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import DecodeCache, Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
+from dualpath.scheduler.hbm import DecodeHbm
 
 
 @dataclass
@@ -70,8 +71,10 @@ class DecodeBatcher:
     """The engine's requests between steps: loading, in the batch, or finishing their saves."""
 
     def __init__(self, model: Transformer, geom: BlockGeometry, clock: DeviceClock | None = None,
-                 cost: DecodeCostModel | None = None, collective: CollectiveGroup | None = None) -> None:
-        self.model, self.geom = model, geom
+                 cost: DecodeCostModel | None = None, collective: CollectiveGroup | None = None,
+                 hbm: DecodeHbm | None = None) -> None:
+        """`hbm`: the target's HBM for KV, which each step's record measures its batch against."""
+        self.model, self.geom, self.hbm = model, geom, hbm
         self.collective = collective
         # the collectives' thread writes a byte here when a step ends, so the loop wakes at once
         self.wake_fd, self._wake_w = os.pipe() if collective is not None else (None, None)
@@ -201,11 +204,17 @@ class DecodeBatcher:
             job.token_times.append(t)
             self._save_full_blocks(job)
             (self.finishing if job.done_decoding or job.error else self.batch).append(job)
-        rec = {"t_start": step.start, "t_end": t, "n": len(step.jobs), **step.timing.to_dict(),
-               "overran": step.timing.overran}
+        rec = {"t_start": step.start, "t_end": t, "n": len(step.jobs), **self._hbm_fields(step.jobs),
+               **step.timing.to_dict(), "overran": step.timing.overran}
         if self.collective is not None:
             rec["collective_log"] = self.collective.take_log()
         self.step_log.append(rec)
+
+    def _hbm_fields(self, jobs: list[DecodeJob]) -> dict:
+        tokens = sum(j.n_kv for j in jobs)
+        if self.hbm is None:
+            return {"batch_tokens": tokens, "hbm_peak_bytes": None, "hbm_limited": False}
+        return self.hbm.batch_record(tokens, len(jobs))
 
     def _save_full_blocks(self, job: DecodeJob) -> None:
         """Every Full Block the request's KV has completed and not yet saved, as soon as it fills."""

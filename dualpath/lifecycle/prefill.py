@@ -14,6 +14,7 @@ from dualpath.lifecycle.record import RequestRecord
 from dualpath.lifecycle.steps import NextInstant, PassOutcome, PassResult, RunPass, StepError
 from dualpath.scheduler.batching import PrefillQueue
 from dualpath.scheduler.cost_model import AttentionCostModel
+from dualpath.scheduler.hbm import HbmLimit, NeverFits
 
 
 class PrefillJob:
@@ -65,8 +66,10 @@ class PrefillBatcher:
     PE's `passes` (a generator of steps) until the queue is empty."""
 
     def __init__(self, cost_model: AttentionCostModel, quota_s: float, kv_bytes_per_token: int,
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], hbm: HbmLimit | None = None) -> None:
+        """`hbm`: the PE's HBM limit under this run's connector (None: the quota alone)."""
         self.cost_model, self.quota_s, self.kvb, self.now = cost_model, quota_s, kv_bytes_per_token, now
+        self.hbm = hbm
         self.queues: dict[str, PrefillQueue] = {}
         self.jobs: dict[str, PrefillJob] = {}
         self.running: set[str] = set()
@@ -76,8 +79,11 @@ class PrefillBatcher:
         """Queue `job` on `engine`; True: its passes are not running, start them."""
         q = self.queues.get(engine)
         if q is None:
-            q = self.queues[engine] = PrefillQueue(self.cost_model, self.quota_s)
-        q.push(job.rid, job.n_past, job.n_prompt - job.n_past)
+            q = self.queues[engine] = PrefillQueue(self.cost_model, self.quota_s, self.hbm)
+        try:
+            q.push(job.rid, job.n_past, job.n_prompt - job.n_past)
+        except NeverFits as e:
+            raise StepError(str(e)) from e
         self.jobs[job.rid] = job
         if engine in self.running:
             return False
@@ -103,7 +109,9 @@ class PrefillBatcher:
                     j.done(j, e)
                 continue
             self.passes.append({"pe": engine, "t_start": t0, "t_end": self.now(), "n": len(jobs),
-                                "chunked": not batch.entries[-1].last, "loaded": loaded, **out.record})
+                                "chunked": not batch.entries[-1].last, "loaded": loaded,
+                                "batch_tokens": batch.batch_tokens, "hbm_peak_bytes": round(batch.hbm_bytes) if self.hbm else None,
+                                "hbm_limited": batch.hbm_limited, **out.record})
             for j, e, res in zip(jobs, batch.entries, out.results):
                 j.absorb(res, e.new, self.kvb)
                 if e.last:

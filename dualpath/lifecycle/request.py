@@ -23,6 +23,7 @@ from dualpath.lifecycle.index import StoreIndex
 from dualpath.lifecycle.record import RequestRecord
 from dualpath.lifecycle.steps import (AfterFailure, Allocate, AskRoute, AwaitLayers, Decode, DecodeOutcome,
                                       GaveUp, LoadHits, Prefill, Release, StepError, WriteBack)
+from dualpath.scheduler.hbm import HbmPlan, NeverFits
 from dualpath.scheduler.records import Request
 
 MAX_ATTEMPTS = 3  # tries of one request while processes die under it
@@ -62,6 +63,7 @@ class RequestLifecycle:
     host_of: Callable[[str], str]  # an engine's node
     now: Callable[[], float]
     timeout_s: float = float("inf")  # no new attempt after this long
+    hbm: HbmPlan | None = None  # the target's HBM per engine (None: not limited)
 
     def request(self, rec: RequestRecord, prompt: Sequence[int], gen_len: int, keys: Sequence[Hashable],
                 context_keys: Callable[[RequestRecord], Sequence[Hashable]]) -> Steps:
@@ -70,6 +72,12 @@ class RequestLifecycle:
         far as the executor can name them): what a write-back stores."""
         rec.t_arrive = self.now()
         rec.gen_len, rec.n_prompt = gen_len, len(prompt)
+        if self.hbm is not None:
+            try:  # one that no engine could ever hold would wait for HBM forever
+                self.hbm.check_request(rec.request, len(prompt), gen_len, self.connector)
+            except NeverFits as e:
+                rec.error, rec.t_done = str(e), self.now()
+                return rec
         give_up = rec.t_arrive + self.timeout_s
         for attempt in range(MAX_ATTEMPTS):
             rec.attempts = attempt + 1

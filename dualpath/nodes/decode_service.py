@@ -29,6 +29,7 @@ from dualpath.kv.spans import Span
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.model import Transformer
 from dualpath.scheduler.cost_model import DecodeCostModel
+from dualpath.scheduler.hbm import DecodeHbm
 
 IDLE_POLL_S = 0.01  # how often an idle engine progresses its transport
 BUSY_POLL_S = 0.001  # while loads or saves are in flight
@@ -49,11 +50,11 @@ class DecodeService:
                  load: EngineLoad, clock: DeviceClock, cost: DecodeCostModel | None, control: str, decode: str,
                  handlers: dict[str, Callable[..., dict | None]], max_seconds: float = 24 * 3600,
                  collective: CollectiveGroup | None = None, auth: Auth | None = None,
-                 plugin: type[ConnectorPlugin] | None = None) -> None:
+                 plugin: type[ConnectorPlugin] | None = None, hbm_budget: DecodeHbm | None = None) -> None:
         self.agent, self.hbm, self.alloc, self.geom, self.load = agent, hbm, alloc, geom, load
         self.plugin = plugin  # a team's decode connector, if it has one (dualpath/kv/plugin.py)
         self.auth = auth or Auth()
-        self.batcher = DecodeBatcher(model, geom, clock, cost, collective)
+        self.batcher = DecodeBatcher(model, geom, clock, cost, collective, hbm_budget)
         self.rpc = RpcServer(control, {**handlers, "steps": self._steps}, auth=self.auth)
         self.ctx = zmq.Context()
         self.jobs = self.ctx.socket(zmq.ROUTER)

@@ -64,6 +64,7 @@ def main() -> None:
     from dualpath.model import DecodeCache, Transformer
     from dualpath.model.device import DeviceError, host_buffer, resolve_device
     from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
+    from dualpath.scheduler.hbm import DecodeHbm
 
     try:
         device = resolve_device(args.device)
@@ -78,9 +79,11 @@ def main() -> None:
     agent, hbm = make_agent(args, "hbm", args.hbm_bytes, "hbm", host_buffer(args.hbm_bytes, device))
     alloc = ByteAllocator(args.hbm_bytes, f"{args.name} HBM")
     kv_per_token = geom.kv_bytes_per_token
-    load = EngineLoad(args.hbm_bytes // kv_per_token)  # what this engine reports to its group leader
-
     timing = json.loads(args.timing) if args.timing else None
+    # the target's HBM for KV (emulated runs): admission counts it, not only this buffer's bytes
+    hbm_budget = DecodeHbm(**timing["hbm"]) if timing and timing.get("hbm") else None
+    tokens = args.hbm_bytes // kv_per_token
+    load = EngineLoad(min(tokens, hbm_budget.tokens) if hbm_budget else tokens)  # what the leader is told
     clock = DeviceClock(timing["dilation"] if timing else None)
     collective, responder = None, None
     if args.collectives:
@@ -112,7 +115,7 @@ def main() -> None:
                                 control=f"tcp://{args.ip}:{args.control_port}",
                                 decode=f"tcp://{args.ip}:{jobs_port(args.control_port)}",
                                 handlers={**wiring_handlers(agent), **common}, collective=collective, auth=auth,
-                                plugin=plugin)
+                                plugin=plugin, hbm_budget=hbm_budget)
         _serve(args.name, agent, service.serve, responder)
 
 

@@ -45,6 +45,7 @@ from dualpath.lifecycle.steps import (AfterFailure, Allocate, AskRoute, AwaitLay
                                       LoadHits, NextInstant, PassOutcome, PassResult, Prefill, Release, RunPass,
                                       StepError, WriteBack)
 from dualpath.scheduler.cost_model import AttentionCostModel
+from dualpath.scheduler.hbm import HbmPlan
 from dualpath.store.keys import chain_keys
 from dualpath.timeouts import scaled
 from dualpath.workload import Trajectory
@@ -60,9 +61,10 @@ class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes, router: Router,
                  request_timeout_s: float = scaled(120.0), on_record: Callable[[RequestRecord], None] | None = None,
                  cost_model: AttentionCostModel | None = None, quota_s: float = 0.3,
-                 faults: FaultLog | None = None):
+                 faults: FaultLog | None = None, hbm: HbmPlan | None = None):
         """`cost_model` packs the PEs' passes under `quota_s` (both in the engines' time: the
-        target's seconds on an emulated clock); None packs every waiting request into one pass."""
+        target's seconds on an emulated clock); None packs every waiting request into one pass.
+        `hbm`: the target's HBM per engine, which passes are packed against too (None: no limit)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.c, self.geom, self.mode, self.ns = cluster, geom, mode, namespace
@@ -75,9 +77,10 @@ class Conductor:
         self.router = router
         self.connector = connector_of(mode)
         self.t0 = time.monotonic()
-        self.batcher = PrefillBatcher(cost_model or AttentionCostModel(), quota_s, geom.kv_bytes_per_token, self._now)
+        self.batcher = PrefillBatcher(cost_model or AttentionCostModel(), quota_s, geom.kv_bytes_per_token, self._now,
+                                      hbm.prefill(self.connector) if hbm else None)
         self.lifecycle = RequestLifecycle(geom, self.connector, self.index, cluster.host_of, self._now,
-                                          request_timeout_s)
+                                          request_timeout_s, hbm)
         self._passes: dict[str, asyncio.Future] = {}  # per PE: its running passes
         self._handlers = {AskRoute: self._ask_route, Allocate: self._allocate, Release: self._release,
                           LoadHits: self._load_hits, Prefill: self._prefill, AwaitLayers: self._await_layers,

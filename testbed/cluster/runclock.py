@@ -12,6 +12,7 @@ from pathlib import Path
 from dualpath.kv.layouts import BlockGeometry
 from dualpath.model.config import load_config
 from dualpath.scheduler.cost_model import AttentionCostModel, DecodeCostModel
+from dualpath.scheduler.hbm import HbmPlan
 from testbed.topology import Topology
 
 # Tokens per Full Block in runs. Every Layer Block is one descriptor of a READ, and the
@@ -39,6 +40,7 @@ class RunClock:
     # the testbed's (dispatch, combine) bytes per token per testbed layer, scaled like KV
     collective: dict | None = None
     collective_per_token: tuple[float, float] | None = None
+    hbm: HbmPlan | None = None  # the target's HBM per engine, in target bytes (emulated runs only)
 
     @classmethod
     def of(cls, topo: Topology, geom: BlockGeometry) -> "RunClock":
@@ -55,14 +57,18 @@ class RunClock:
         if not topo.emulated:
             return cls(False, 1.0, name, (tb, tgt.model.kv_bytes_per_token), **coll)
         return cls(True, topo.dilation(tb), name, (tb, tgt.model.kv_bytes_per_token),
-                   tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0), **coll)
+                   tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0), **coll,
+                   hbm=topo.hbm_budget().plan(int(topo.spec.hbm_gib_per_engine * 2**30) // tb))
 
     def engine_timing(self) -> dict | None:
         """What the engines need to keep the target's time (None: the host's)."""
         if not self.emulated:
             return None
         return {"dilation": self.dilation, "prefill": self.prefill_cost.to_dict(),
-                "decode": self.decode_cost.to_dict()}
+                "decode": self.decode_cost.to_dict(),
+                "hbm": {"budget_bytes": self.hbm.decode.budget_bytes,
+                        "kv_bytes_per_token": self.hbm.decode.kv_bytes_per_token,
+                        "cap_tokens": self.hbm.decode.cap_tokens}}
 
     def engine_collectives(self) -> dict | None:
         """What every engine's collective needs besides its peers (None: no collectives)."""
@@ -81,4 +87,5 @@ class RunClock:
                 "emulated_second_in_testbed_s": round(self.dilation, 6),
                 "collectives": ({**self.collective, "testbed_dispatch_bytes_per_token_layer": round(self.collective_per_token[0], 1),
                                  "testbed_combine_bytes_per_token_layer": round(self.collective_per_token[1], 1)}
-                                if self.collective else None)}
+                                if self.collective else None),
+                "hbm": self.hbm.to_dict() if self.hbm else None}

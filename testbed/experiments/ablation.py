@@ -85,7 +85,7 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
         router = _router(cluster, fab, geom, mode, clock)
         await router.start()
         co = Conductor(cluster, geom, mode, namespace, router, on_record=on_record,
-                       cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s, faults=log)
+                       cost_model=clock.prefill_cost or cluster.cost_model, quota_s=quota_s, faults=log, hbm=clock.hbm)
         sent0 = cluster.control_bytes()
         injector = inject = None
         try:

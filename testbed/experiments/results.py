@@ -183,7 +183,7 @@ def _mode_summary(res: ModeResult, geom: BlockGeometry, k: float) -> dict[str, A
         "chunked_requests": sum(r.passes > 1 for r in ok),
         "retried_requests": sum(r.attempts > 1 for r in res.records),
         "scheduler": res.scheduler,
-        "mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
+        **_batch_keys(res),
         "cpu_busy": round(res.cpu_busy, 3), "cpu_peak_1s": round(res.cpu_peak, 3),
         # the testbed's processes; the rest of cpu_busy is the kernel's NIC emulation (softirq)
         # and whatever else ran on the machine
@@ -199,6 +199,30 @@ def _mode_summary(res: ModeResult, geom: BlockGeometry, k: float) -> dict[str, A
                      "storage_nics": [u.to_dict() for u in res.links],
                      "cpu_by_thread": res.cpu_threads},
     }
+
+
+def _batch_keys(res: ModeResult) -> dict[str, Any]:
+    """A mode's batches: the mean pass size, and what each pass and decode step held against the
+    target's HBM (DESIGN 3a)."""
+    return {"mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
+            "prefill_batches": batch_sizes(res.batches), "decode_batches": batch_sizes(res.steps)}
+
+
+def batch_sizes(records: list[dict]) -> dict[str, Any] | None:
+    """The distribution of a mode's batches (prefill passes or decode steps): requests and tokens
+    per batch at p50, p90 and max, the most HBM one held (target bytes) and how many HBM filled."""
+    if not records:
+        return None
+
+    def q(xs: list[int], p: float) -> int:
+        return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+    n, tok = sorted(r["n"] for r in records), sorted(r.get("batch_tokens", 0) for r in records)
+    peak = [r["hbm_peak_bytes"] for r in records if r.get("hbm_peak_bytes") is not None]
+    return {"batches": len(records), "requests": {"p50": q(n, 0.5), "p90": q(n, 0.9), "max": n[-1]},
+            "tokens": {"p50": q(tok, 0.5), "p90": q(tok, 0.9), "max": tok[-1]},
+            "hbm_peak_bytes": max(peak) if peak else None,
+            "hbm_limited": sum(bool(r.get("hbm_limited")) for r in records)}
 
 
 def _per_nic(rows, resent: dict[tuple[str, str, str], int]) -> list[dict[str, Any]]:

@@ -116,6 +116,7 @@ def e2e_lines(summary: dict) -> list[str]:
     ctrl = {mode: m["control_bytes"]["model_class_on_nics"] for mode, m in summary["modes"].items()}
     lines.append("control (model class, all NICs, MB): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in ctrl.items()))
     lines.extend(_balance_lines(summary))
+    lines.extend(batch_lines(summary))
     lines.extend(conversation_lines(summary))
     lines.extend(fault_lines(summary))
     if summary.get("connector"):
@@ -157,6 +158,26 @@ def fault_lines(summary: dict) -> list[str]:
         for e in f.get("errors", [])[:2]:
             out.append(f"      error: {e[:160]}")
     return out
+
+
+def batch_lines(summary: dict) -> list[str]:
+    """Per mode, what its prefill passes and decode steps held against the target's HBM."""
+    modes = {m: v for m, v in summary["modes"].items() if v.get("prefill_batches") or v.get("decode_batches")}
+    if not modes:
+        return []
+
+    def one(b: dict | None) -> str:
+        if not b:
+            return "none"
+        r, t = b["requests"], b["tokens"]
+        hbm = (f", HBM peak {b['hbm_peak_bytes'] / 1e9:.2f} GB, {b['hbm_limited']} of {b['batches']} full"
+               if b.get("hbm_peak_bytes") is not None else "")
+        return f"requests {r['p50']}/{r['p90']}/{r['max']}, tokens {t['p50']:,}/{t['p90']:,}/{t['max']:,}{hbm}"
+
+    lines = ["batches (p50/p90/max per pass or step; HBM in target bytes, full: HBM ended the batch)"]
+    for mode, m in modes.items():
+        lines.append(f"  {mode:<15} prefill {one(m.get('prefill_batches'))}; decode {one(m.get('decode_batches'))}")
+    return lines
 
 
 def _balance_lines(summary: dict) -> list[str]:

@@ -78,6 +78,9 @@ def sim_config(topo: Topology, geom: Geometry = Geometry(), units: str = "testbe
     profile = Profile(snic_bytes_per_s=snic / 8, prefill_tokens_per_s=tgt.prefill_tokens_per_s(0),
                       kv_bytes_per_token=geom.kv_bytes_per_token, block_tokens=geom.block_size)
     gib = 2 ** 30
+    # the topology's HBM buffer is in testbed bytes: it caps the decode batch in testbed units only
+    hbm = topo.hbm_budget().plan(int(s.hbm_gib_per_engine * gib) // geom.kv_bytes_per_token
+                                 if units == "testbed" else None)
     return SimConfig(
         prefill_nodes=s.prefill_nodes, decode_nodes=s.decode_nodes, engines_per_node=s.engines_per_node,
         cnic_bps=rate(topo.cnic_bps) * pay * eff, snic_bps=snic * pay, host_port_bps=rate(topo.host_port_bps) * pay * eff,
@@ -85,7 +88,7 @@ def sim_config(topo: Topology, geom: Geometry = Geometry(), units: str = "testbe
         qos=s.qos, kv_bytes_per_token=geom.kv_bytes_per_token, n_layer=geom.n_layer, block_size=geom.block_size,
         dilation=dilation, prefill_cost=tgt.prefill_cost(), decode_cost=tgt.decode_cost(), profile=profile,
         alpha_s=PAPER_ALPHA_S * dilation, beta_s=PAPER_BETA_S, quota_s=quota_s,
-        hbm_tokens=int(s.hbm_gib_per_engine * gib) // geom.kv_bytes_per_token,
+        hbm_tokens=hbm.decode.tokens, hbm=hbm,
         buffer_bytes=int(s.dram_buffer_gib * gib), calibration=cal, pe_groups=pe_groups,
         buckets=_htb_buckets(topo) if units == "testbed" else {})
 
