@@ -119,3 +119,14 @@ def test_the_testbeds_own_buffer_caps_the_decode_budget_when_it_holds_fewer():
     with pytest.raises(NeverFits, match="the 40 tokens the testbed's own HBM buffer holds"):
         d.check_request("r", 41)
     assert DecodeHbm(1000, 10, cap_tokens=500).tokens == 100
+
+
+def test_batch_sizes_give_each_modes_distribution_and_how_many_hbm_filled():
+    from testbed.measure.metrics import batch_sizes
+
+    recs = [{"n": n, "batch_tokens": 100 * n, "hbm_peak_bytes": 1000 * n, "hbm_limited": n == 10} for n in range(1, 11)]
+    b = batch_sizes(recs)
+    assert b["batches"] == 10 and b["requests"] == {"p50": 6, "p90": 10, "max": 10}
+    assert b["tokens"]["max"] == 1000 and b["hbm_peak_bytes"] == 10000 and b["hbm_limited"] == 1
+    assert batch_sizes([]) is None
+    assert batch_sizes([{"n": 2}])["hbm_peak_bytes"] is None  # a run from before the budget

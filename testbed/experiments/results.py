@@ -16,7 +16,7 @@ from testbed.measure.collectives import collective_stats
 from dualpath.lifecycle.record import RequestRecord
 from testbed.cluster.faults import FaultLog
 from testbed.measure.fidelity import payload_share
-from testbed.measure.metrics import chain_bound_s, forward_balance, percentiles, speedups, token_latencies
+from testbed.measure.metrics import batch_sizes, chain_bound_s, forward_balance, percentiles, speedups, token_latencies
 from testbed.paths import REPO
 from testbed.cluster.runclock import RunClock
 from testbed.topology import Topology
@@ -206,23 +206,6 @@ def _batch_keys(res: ModeResult) -> dict[str, Any]:
     target's HBM (DESIGN 3a)."""
     return {"mean_batch_size": round(sum(b["n"] for b in res.batches) / len(res.batches), 2) if res.batches else None,
             "prefill_batches": batch_sizes(res.batches), "decode_batches": batch_sizes(res.steps)}
-
-
-def batch_sizes(records: list[dict]) -> dict[str, Any] | None:
-    """The distribution of a mode's batches (prefill passes or decode steps): requests and tokens
-    per batch at p50, p90 and max, the most HBM one held (target bytes) and how many HBM filled."""
-    if not records:
-        return None
-
-    def q(xs: list[int], p: float) -> int:
-        return xs[min(len(xs) - 1, int(p * len(xs)))]
-
-    n, tok = sorted(r["n"] for r in records), sorted(r.get("batch_tokens", 0) for r in records)
-    peak = [r["hbm_peak_bytes"] for r in records if r.get("hbm_peak_bytes") is not None]
-    return {"batches": len(records), "requests": {"p50": q(n, 0.5), "p90": q(n, 0.9), "max": n[-1]},
-            "tokens": {"p50": q(tok, 0.5), "p90": q(tok, 0.9), "max": tok[-1]},
-            "hbm_peak_bytes": max(peak) if peak else None,
-            "hbm_limited": sum(bool(r.get("hbm_limited")) for r in records)}
 
 
 def _per_nic(rows, resent: dict[tuple[str, str, str], int]) -> list[dict[str, Any]]:

@@ -124,3 +124,20 @@ def forward_balance(batches: list[dict], key: str = "attention_s", loaded_only: 
         return {"steps": 0}
     ratios.sort()
     return {"steps": len(ratios), "median": round(ratios[len(ratios) // 2], 3), "max": round(ratios[-1], 3)}
+
+
+def batch_sizes(records: list[dict]) -> dict[str, Any] | None:
+    """The distribution of a mode's batches (prefill passes or decode steps): requests and tokens
+    per batch at p50, p90 and max, the most HBM one held (target bytes) and how many HBM filled."""
+    if not records:
+        return None
+
+    def q(xs: list[int], p: float) -> int:
+        return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+    n, tok = sorted(r["n"] for r in records), sorted(r.get("batch_tokens", 0) for r in records)
+    peak = [r["hbm_peak_bytes"] for r in records if r.get("hbm_peak_bytes") is not None]
+    return {"batches": len(records), "requests": {"p50": q(n, 0.5), "p90": q(n, 0.9), "max": n[-1]},
+            "tokens": {"p50": q(tok, 0.5), "p90": q(tok, 0.9), "max": tok[-1]},
+            "hbm_peak_bytes": max(peak) if peak else None,
+            "hbm_limited": sum(bool(r.get("hbm_limited")) for r in records)}

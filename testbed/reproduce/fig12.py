@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.measure import plots
+from testbed.measure.metrics import batch_sizes
 from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
@@ -163,8 +164,23 @@ def right(runs: dict, quick: bool) -> list[dict]:
         red = {m: (1 - j[m] / j["basic"]) if j.get(m) is not None and j.get("basic") else None for m in LADDER}
         rel_ci = {m: ratio_draws((r, m), (r, "basic")).estimate().ci95 for m in LADDER if m != "basic"}
         out.append({"key": cfg.key, "agents": cfg.params["agents"], "jct_s": j, "reduction": red,
-                    "relative_ci95": rel_ci, "bound": pd_bound(r)})
+                    "relative_ci95": rel_ci, "bound": pd_bound(r),
+                    "prefill_batches": {m: batch_sizes(r.passes(m)) for m in LADDER if r.has(m)}})
     return out
+
+
+def batch_note(row: dict) -> str:
+    """What the ladder's prefill passes held, per mode: the +Layerwise step's batch-size evidence."""
+    def one(m: str, b: dict | None) -> str:
+        if not b:
+            return f"{plots.label(m)} none"
+        hbm = (f", HBM peak {b['hbm_peak_bytes'] / 1e9:.2f} GB, {b['hbm_limited']} of {b['batches']} passes full"
+               if b.get("hbm_peak_bytes") is not None else ", no HBM record (a run from before the HBM budget)")
+        tokens = f", {b['tokens']['max']:,} tokens at most" if b["tokens"]["max"] else ""
+        return f"{plots.label(m)} {b['requests']['p50']}/{b['requests']['p90']}/{b['requests']['max']} requests{tokens}{hbm}"
+
+    return (f"Right, {row['agents']} agents, prefill batch sizes (p50/p90/max; HBM in target bytes): "
+            + "; ".join(one(m, b) for m, b in row.get("prefill_batches", {}).items()) + ".")
 
 
 def render_right(rows: list[dict], out: Path) -> list[str]:
@@ -223,6 +239,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              + "; ".join(f"{a} agents " + ", ".join(f"{plots.label(m)} {v}" for m, v in d.items())
                          for a, d in paper.FIG12_JCT.items()) + " s.",
              ]
+    notes += [batch_note(c) for c in rows]
     if quick:
         notes.append(f"Left (quick): the grid's lowest APS and the first past Basic's I/O capacity "
                      f"({online.capacity_aps('basic'):.2f} APS; DualPath's is {online.capacity_aps('dualpath'):.2f}): "
