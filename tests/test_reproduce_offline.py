@@ -224,3 +224,11 @@ def test_fig12_right_unfaithful_when_the_ladder_is(tmp_path):
     runs_for_plan(tmp_path / "runs", P, lambda c, m: LADDER_JCT[m], unfaithful={P.configs[0].key})
     out, _ = reproduce_id("fig12", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     assert summary(out)["faithful"] is False
+
+
+def test_fig12s_mean_reduction_is_bounded_by_the_mean_of_each_runs_own_bound():
+    from testbed.reproduce.fig12 import reduction_bound
+
+    # 12 agents: a chain bound of 1.25 (reduction at most 0.2); 24 agents: (P+D)/P = 2 (0.5)
+    assert reduction_bound([{"bound": 1.25}, {"bound": 2.0}]) == pytest.approx(0.35)
+    assert reduction_bound([{"bound": 2.0}, {"bound": None}]) is None
