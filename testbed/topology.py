@@ -302,6 +302,14 @@ class Topology:
 
         return hbm_budget(self.target())
 
+    def hbm_plan(self, testbed_kv_bytes_per_token: int | None):
+        """What passes and decode batches are packed against (dualpath.scheduler.hbm.HbmPlan): the
+        target's budget, decode capped by this topology's own HBM buffer in the testbed's bytes per
+        token (None: the target's units, where that buffer means nothing)."""
+        cap = (int(self.spec.hbm_gib_per_engine * 2**30) // testbed_kv_bytes_per_token
+               if testbed_kv_bytes_per_token else None)
+        return self.hbm_budget().plan(cap)
+
     def dilation(self, testbed_kv_bytes_per_token: int) -> float:
         """k: testbed seconds per emulated second, for a testbed model with this many KV bytes
         per token (1 on the CPU's own clock)."""

@@ -3,8 +3,8 @@
 A forward pass holds, besides the weights and a reserve (neither counted here: they are taken
 off the budget before it gets here), the KV it attends to and the KV it builds:
   * Basic (Full Blocks into HBM before the pass): every layer of each request's past;
-  * Layerwise and every DualPath mode (Layer Blocks): `past_layers` layers of the batch's past at
-    a time, one being computed on and the next one landing;
+  * Layerwise and every DualPath mode (Layer Blocks): a few layers of the batch's past at a
+    time, one being computed on and the next one landing;
   * both: every layer of the new tokens' KV, built during the pass and sent after it.
 A decode batch holds every layer of every batched request's KV.
 

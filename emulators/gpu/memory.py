@@ -64,12 +64,6 @@ class HbmBudget:
         lim = self.prefill(whole_past)
         return int(lim.budget_bytes // lim.resident_bytes(context, 1)) * (context + 1)
 
-    def to_dict(self) -> dict[str, float | int | str]:
-        return {"target": self.target, "capacity_bytes": self.capacity_bytes, "weight_bytes": round(self.weight_bytes),
-                "reserve_bytes": round(self.reserve_bytes), "budget_bytes": round(self.budget_bytes),
-                "kv_bytes_per_token": self.kv_bytes_per_token, "decode_tokens": self.decode().tokens,
-                "reserve_share": RESERVE_SHARE, "layers_in_flight": LAYERS_IN_FLIGHT}
-
 
 def hbm_budget(target: Target) -> HbmBudget:
     """One engine's HBM budget on `target`; an error names a target whose weights leave no room."""

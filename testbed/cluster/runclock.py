@@ -6,7 +6,7 @@ testbed seconds. Reports give emulated seconds, testbed seconds beside them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dualpath.kv.layouts import BlockGeometry
@@ -58,7 +58,7 @@ class RunClock:
             return cls(False, 1.0, name, (tb, tgt.model.kv_bytes_per_token), **coll)
         return cls(True, topo.dilation(tb), name, (tb, tgt.model.kv_bytes_per_token),
                    tgt.prefill_cost(), tgt.decode_cost(), tgt.prefill_tokens_per_s(0), **coll,
-                   hbm=topo.hbm_budget().plan(int(topo.spec.hbm_gib_per_engine * 2**30) // tb))
+                   hbm=topo.hbm_plan(tb))
 
     def engine_timing(self) -> dict | None:
         """What the engines need to keep the target's time (None: the host's)."""
@@ -66,9 +66,7 @@ class RunClock:
             return None
         return {"dilation": self.dilation, "prefill": self.prefill_cost.to_dict(),
                 "decode": self.decode_cost.to_dict(),
-                "hbm": {"budget_bytes": self.hbm.decode.budget_bytes,
-                        "kv_bytes_per_token": self.hbm.decode.kv_bytes_per_token,
-                        "cap_tokens": self.hbm.decode.cap_tokens}}
+                "hbm": asdict(self.hbm.decode)}
 
     def engine_collectives(self) -> dict | None:
         """What every engine's collective needs besides its peers (None: no collectives)."""

@@ -78,9 +78,7 @@ def sim_config(topo: Topology, geom: Geometry = Geometry(), units: str = "testbe
     profile = Profile(snic_bytes_per_s=snic / 8, prefill_tokens_per_s=tgt.prefill_tokens_per_s(0),
                       kv_bytes_per_token=geom.kv_bytes_per_token, block_tokens=geom.block_size)
     gib = 2 ** 30
-    # the topology's HBM buffer is in testbed bytes: it caps the decode batch in testbed units only
-    hbm = topo.hbm_budget().plan(int(s.hbm_gib_per_engine * gib) // geom.kv_bytes_per_token
-                                 if units == "testbed" else None)
+    hbm = topo.hbm_plan(geom.kv_bytes_per_token if units == "testbed" else None)
     return SimConfig(
         prefill_nodes=s.prefill_nodes, decode_nodes=s.decode_nodes, engines_per_node=s.engines_per_node,
         cnic_bps=rate(topo.cnic_bps) * pay * eff, snic_bps=snic * pay, host_port_bps=rate(topo.host_port_bps) * pay * eff,
