@@ -130,3 +130,33 @@ def test_a_latency_still_climbing_is_not_a_steady_state_and_a_filled_queue_is():
     mixed = iso.trend(rows([0.001 if i % 3 else 0.05 for i in range(90)]), k=1.0)
     assert mixed["flat"] is True and mixed["steady"] is True
     assert iso.trend(rows([0.01] * 20), k=1.0)["steady"] is None  # too few to say
+
+
+def test_every_ratio_headline_has_its_interval_over_its_own_units(tmp_path):
+    run, _ = _build(tmp_path, kv_on=0.95)
+    out, res = reproduce_id("isolation", quick=True, out_root=tmp_path / "out", run_folders=[run],
+                            progress=lambda _m: None, run_id="x")
+    heads = {h["name"]: h for h in json.loads((out / "summary.json").read_text())["headline"]}
+    for name, h in heads.items():
+        assert h["ci95"] is not None and h["n"], name
+        assert h["ci95"][0] <= h["testbed"] <= h["ci95"][1], name
+    # TTFT and TPOT: the p99 of each condition's own requests (20 each), 1 + 0.5 (x - 1) times idle's
+    ttft = heads["TTFT p99 with QoS off / idle (x)"]
+    assert ttft["testbed"] == pytest.approx(3.0) and ttft["n"] == 20 and "requests" in ttft["ci_method"]
+    # kv: the class counters' ratio, its interval from the CNIC's sample windows (9 per condition)
+    kv = heads["kv load throughput, QoS on / off (x; issue: >= 0.9)"]
+    assert kv["testbed"] == pytest.approx(0.95) and kv["n"] == 9 and "sample windows" in kv["ci_method"]
+
+
+def test_the_kv_interval_widens_with_the_spread_of_the_windows(tmp_path):
+    from testbed.measure.runs import load_run
+    run, _ = _build(tmp_path)
+    r = load_run(run)
+    assert iso.cnic_rx_rates(r, "qos_on") == pytest.approx([1.2e8] * 9)
+    steady = iso.kv_ratio_draws(r, 0.97).estimate()
+    assert steady.ci95 == pytest.approx((0.97, 0.97))
+    # uneven windows: the same total rate, an interval around the counters' ratio
+    for s in r.links("qos_on"):
+        s["nics"]["dpt-p0e0/cnic"][0] = s["t"] * 1.2e8 + (3e7 if int(s["t"]) % 2 else 0)
+    lo, hi = iso.kv_ratio_draws(r, 0.97).estimate().ci95
+    assert lo < 0.97 < hi and hi - lo > 0.05
