@@ -193,6 +193,9 @@ def test_fig14_from_its_run(tmp_path):
     assert s["is_result"] and all(p["loaded"] == (p["t"] < 6) for p in s["series"]["dualpath"])
     assert s["modes"]["dualpath"]["loaded_share"] == pytest.approx(0.6)  # 6 loaded s of a 10 s JCT, per seed
     assert "60% of the runs' JCT." in (out / "report.md").read_text()
+    step = h["DualPath: attention max/avg per k-th pass, mean over loaded steps (secondary)"]
+    assert step["n"] and step["ci95"] is not None and step["ci95"][0] <= step["testbed"] <= step["ci95"][1]
+    assert "loaded steps" in step["ci_method"]
 
 
 def test_fig14_has_its_own_compute_loaded_run():

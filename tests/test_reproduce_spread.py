@@ -108,3 +108,38 @@ def test_fig8_headlines_and_plot_rows_carry_the_same_interval(tmp_path):
         assert h["ci95"] == [pytest.approx(1.0), pytest.approx(f)] and rows[pd]["speedup_ci95"] == pytest.approx(h["ci95"])
     mean = heads["mean DualPath speed-up over the P/D ratios (x)"]
     assert mean["testbed"] == pytest.approx(1.0) and mean["ci95"][1] == pytest.approx(sum(factor.values()) / 3, rel=0.01)
+
+
+def test_a_statistic_of_sums_over_units_gets_its_interval_and_keeps_the_runs_own_value():
+    from testbed.reproduce.spread import sums_draws
+    hit_rate = lambda s: s[..., 0] / s[..., 1]  # noqa: E731
+    # every unit hits half its tokens: every resample says 0.5, scaled to the run's own 0.48
+    same = sums_draws([(50, 100)] * 40, hit_rate, 0.48, "requests").estimate()
+    assert same.value == 0.48 and same.n == 40 and same.ci95 == (pytest.approx(0.48), pytest.approx(0.48))
+    # half hit everything, half nothing: the interval spans the binomial spread around 0.5
+    mixed = sums_draws([(100, 100)] * 50 + [(0, 100)] * 50, hit_rate, 0.5, "requests").estimate()
+    lo, hi = mixed.ci95
+    assert 0.38 < lo < 0.45 and 0.55 < hi < 0.62
+    # a balance over NICs: one NIC takes every byte of a third of the requests
+    bal = sums_draws([(1, 0)] * 20 + [(0, 1)] * 10, lambda s: s.max(axis=-1) / s.mean(axis=-1), 4 / 3, "requests")
+    e = bal.estimate()
+    assert e.value == pytest.approx(4 / 3) and e.ci95[0] < 4 / 3 < e.ci95[1]
+    assert sums_draws([(1, 2)], hit_rate, 0.5, "requests").estimate().ci95 is None  # one unit: nothing to resample
+
+
+def test_mooncake_trace_secondary_rows_are_bootstrapped_over_the_runs_requests(tmp_path):
+    from testbed.reproduce import mooncake_trace as mt
+    rf = RunFolder(tmp_path / "run")
+    for m in mt.MODES:
+        recs = [{"trajectory": i, "turn": 0, "t_arrive": 0.0, "t_done": 1.0, "ttft_s": 0.1 * (i + 1), "n_hit": i % 2,
+                 "n_prompt": 1, "interfaces": {"p0/snic/rx": 100 * (i % 3 == 0), "d0/snic/rx": 100 * (i % 3 != 0)}}
+                for i in range(30)]
+        rf.mode(m, records=recs + [{"trajectory": -1, "turn": 0, "ttft_s": 99.0, "n_hit": 0, "n_prompt": 1}])
+    r = load_run(rf.write())
+    p50 = mt.ttft_p50_draws(r, "dualpath").estimate()
+    assert p50.value == pytest.approx(1.55) and p50.n == 30  # the warm-up's 99 s is not a request
+    assert p50.ci95[0] < 1.55 < p50.ci95[1]
+    hit = mt.hit_rate_draws(r, 0.5).estimate()
+    assert hit.n == 60 and hit.ci95[0] < 0.5 < hit.ci95[1]
+    snic = mt.snic_balance_draws(r, "dualpath", 4 / 3).estimate()  # the d0 SNIC takes 20 of 30 requests
+    assert snic.value == pytest.approx(4 / 3) and snic.n == 30 and snic.ci95[0] < 4 / 3 < snic.ci95[1]

@@ -26,6 +26,7 @@ from pathlib import Path
 from testbed.measure import plots
 from testbed.reproduce import paper
 from testbed.reproduce.common import Headline, Result, UsedRun, mean, replicas
+from testbed.reproduce.spread import bootstrap_ci
 from testbed.reproduce.fig13 import (QUICK_SEEDS, TOPOLOGY, balance_data, draw_windows, headlines, pooled,
                                      seed_notes, shortfalls, ylim_for)
 from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec
@@ -121,7 +122,8 @@ def balance(runs: list, mode: str) -> dict:
     steps = [s for r in runs if r.has(mode) for s in attention_series(r.passes(mode), r.dilation)]
     step_in = [s["max_over_avg"] for s in steps if s["loaded"] and s["max_over_avg"] is not None]
     return {**pooled(runs, mode, lambda r: window_points(r, mode), WINDOW_S),
-            "per_step": {"mean_over_loaded_steps": mean(step_in), "loaded_steps": len(step_in), "steps": len(steps)}}
+            "per_step": {"mean_over_loaded_steps": mean(step_in), "loaded_steps": len(step_in), "steps": len(steps),
+                         "ci95": bootstrap_ci(step_in)}}
 
 
 def render(series: dict[str, list[dict]], out: Path) -> list[str]:
@@ -147,7 +149,8 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     heads = headlines(bal, cfg.modes, "attention max/avg across PEs, mean over loaded windows",
                       lambda m: paper.FIG14 if m == "dualpath" else None)
     heads += [Headline(f"{plots.label(m)}: attention max/avg per k-th pass, mean over loaded steps (secondary)",
-                       b["per_step"]["mean_over_loaded_steps"], None, 1.0, n=b["per_step"]["loaded_steps"])
+                       b["per_step"]["mean_over_loaded_steps"], None, 1.0, n=b["per_step"]["loaded_steps"],
+                       ci95=b["per_step"]["ci95"], ci_method="bootstrap over loaded steps (2,000 resamples)")
               for m, b in bal.items()]
     used = [UsedRun(k, r, tuple(m for m in bal if r.has(m))) for k, r in reps]
     notes = ["Attention time is each pass's emulated time (the target's). A pass's time is capped by the 300 ms compute "

@@ -222,3 +222,18 @@ def sample_ratio_draws(a: Sequence[float], b: Sequence[float], what: str, q: flo
     if da.draws is not None and db.draws is not None:
         draws = da.draws / np.where(db.draws == 0, np.nan, db.draws)
     return Draws(da.value / db.value, draws, min(da.n, db.n), da.method.replace(" (", " (each apart; ", 1))
+
+
+def sums_draws(units: Sequence[Sequence[float]], stat, value: float | None, what: str, seed: int = 0) -> Draws:
+    """A statistic of column sums over units (one row per unit: a request's hit and prompt tokens,
+    its bytes per NIC), with a bootstrap over the units; each replicate is scaled so that all the
+    units give `value`, the run's own number (its counters, not the units' sums, are the measure).
+    `stat` maps an array of column sums (..., k) to the statistic along the last axis."""
+    u = np.asarray(units, dtype=float)
+    if value is None or u.ndim != 2 or len(u) < 2:
+        return Draws(value, None, len(u) if u.ndim == 2 else 0, f"bootstrap over {what}")
+    full = float(stat(u.sum(axis=0)))
+    idx = np.random.default_rng(seed).integers(0, len(u), size=(REPS, len(u)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        draws = stat(u[idx].sum(axis=1)) * (value / full if full else np.nan)
+    return Draws(value, draws, len(u), f"bootstrap over {what} (2,000 resamples), scaled to the run's own value")
