@@ -130,11 +130,6 @@ class ClusterSim(LifecycleSteps):
                  trajectories: Sequence[TrajectorySpec], cal: Calibration | None = None,
                  warm_keys: Sequence[tuple[int, ...]] = ()):
         self.cfg, self.mode, self.connector = cfg, mode, connector
-        dc = cfg.decode_cost
-        if dc.context_cap > 0 and dc.per_capped_context:
-            # _DecodeEngine sums a segment's steps in closed form, exact only for a linear cost
-            raise ValueError("the simulator's decode model needs a step cost linear in the contexts "
-                             "(a capped-context term, DSA's, is not modelled)")
         self.cal = cal or cfg.calibration
         self.env = simpy.Environment()
         self.net = SimNetwork(self.env)

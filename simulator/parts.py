@@ -127,9 +127,10 @@ class _DecodeJob:
 class _DecodeEngine:
     """Continuous batching in closed form. A segment is a run of steps with one batch: step i of
     it lasts (A + b i) * k + gap, A = the cost of the batch's contexts at its first step, b = the
-    per-context cost times the batch size (every context grows by one per step). The segment ends
-    at the first step boundary after a job became ready (it joins) or when a job runs out of
-    steps (it leaves); token times inside it are the boundaries."""
+    per-context cost times the batch size (every context grows by one per step), plus, under DSA,
+    the capped per-context cost times the contexts still under the cap. The segment ends at the
+    first step boundary after a job became ready (it joins), when a job runs out of steps (it
+    leaves) or when a context reaches the cap (b drops); token times inside it are the boundaries."""
 
     def __init__(self, sim: "ClusterSim", eng: _Engine):
         self.sim, self.eng = sim, eng
@@ -151,7 +152,15 @@ class _DecodeEngine:
         n = len(self.batch)
         self.emulated = c.step_cost([j.ctx for j in self.batch])
         self.gap = sim.cal.step_gap_s * sim.cpu.factor(sim.env.now)
-        return self.emulated * k + self.gap, c.per_context * n * k
+        growing = sum(j.ctx < c.context_cap for j in self.batch) if c.context_cap > 0 else 0
+        return self.emulated * k + self.gap, (c.per_context * n + c.per_capped_context * growing) * k
+
+    def _steps_linear(self) -> int:
+        """The most steps from now over which the step cost stays linear: until a context under
+        DSA's cap reaches it (step i attends min(ctx + i, cap) keys), at least one."""
+        cap = self.sim.cfg.decode_cost.context_cap
+        under = [cap - j.ctx + 1 for j in self.batch if 0 < cap and j.ctx < cap]
+        return max(1, min(under)) if under else math.inf
 
     def _boundary(self, m: int) -> float:
         return self.t_seg + m * self.a + self.b * m * (m - 1) / 2
@@ -194,7 +203,7 @@ class _DecodeEngine:
         self.t_seg = t
         self.a, self.b = self._costs()
         self.segments += 1
-        k_min = min(j.left for j in self.batch)
+        k_min = min(min(j.left for j in self.batch), self._steps_linear())
         self._arm(self._boundary(k_min))
 
     def _arm(self, t: float) -> None:

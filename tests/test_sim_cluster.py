@@ -168,6 +168,31 @@ def test_a_lone_request_decodes_at_the_cost_models_step_times():
         assert t1 - t0 == pytest.approx(cfg.decode_cost.step_cost([ctx + i + 1]) * cfg.dilation, rel=1e-9)
 
 
+def test_under_dsa_every_step_costs_what_the_cost_model_says_before_and_after_a_context_reaches_the_cap():
+    """DSA's main attention reads at most context_cap keys: the step cost's slope drops when a
+    context reaches it, and a closed-form segment must end there (two requests cross at different
+    steps, one of them already past the cap at its first step)."""
+    from dataclasses import replace
+    from dualpath.scheduler.cost_model import DecodeCostModel
+    _, cfg, _, _ = _setup(1)
+    dc = cfg.decode_cost
+    cap = 530
+    dsa = DecodeCostModel(dc.intercept, dc.per_request, dc.per_context / 4, per_capped_context=dc.per_context * 3,
+                          context_cap=cap)
+    cfg = replace(cfg, decode_cost=dsa)
+    trajs = [sim_cluster.TrajectorySpec(i, p, [(24, 40)]) for i, p in enumerate((488, 516, 492, 520))]
+    recs = simulate(cfg, trajs, ["oracle"])["oracle"].records
+    assert min(r.n_prompt for r in recs) + 1 < cap < max(r.n_prompt for r in recs) + 1
+    shared = 0
+    for r in recs:
+        for i, (t0, t1) in enumerate(zip(r.token_times[1:], r.token_times[2:])):
+            # every request decoding on r's engine at that step, at its own context then
+            ctx = [x.n_prompt + x.token_times.index(t1) for x in recs if x.de == r.de and t1 in x.token_times]
+            shared += len(ctx) > 1
+            assert t1 - t0 == pytest.approx(dsa.step_cost(ctx) * cfg.dilation, rel=1e-9), (r.trajectory, i, ctx)
+    assert shared > 30  # batches of two, crossing the cap at different steps
+
+
 def test_online_arrivals_start_agents_later():
     _, cfg, _, trajs = _setup(4, aps=2.0)
     assert sorted(t.arrival_s for t in trajs)[-1] > 0
