@@ -143,3 +143,15 @@ def test_mooncake_trace_secondary_rows_are_bootstrapped_over_the_runs_requests(t
     assert hit.n == 60 and hit.ci95[0] < 0.5 < hit.ci95[1]
     snic = mt.snic_balance_draws(r, "dualpath", 4 / 3).estimate()  # the d0 SNIC takes 20 of 30 requests
     assert snic.value == pytest.approx(4 / 3) and snic.n == 30 and snic.ci95[0] < 4 / 3 < snic.ci95[1]
+
+
+def test_mooncake_trace_at_its_own_scale_runs_on_the_papers_model_of_that_cluster():
+    """Qwen2.5-32B's weights leave an H800 24,689 tokens of KV: the trace's 120K-token prompts
+    could never decode there, so the trace-scale view is DS 660B on the paper's 2P4D, whose
+    budget holds them (a regression: this view refused the trace once HBM became a limit)."""
+    from testbed.reproduce import mooncake_trace as mt
+    topo = mt.sim_topology()
+    assert topo.spec.target.model == "deepseek-v3.2" and topo.spec.prefill_nodes == 2 and topo.spec.decode_nodes == 4
+    s = mt.simulate(mt.trace_spec(True, own_scale=True), topo, "target", mt._uncalibrated().without_host())
+    assert set(s["modes"]) == set(mt.MODES)
+    assert all(m["errors"] == 0 and m["requests"] == s["trace"]["requests"] for m in s["modes"].values())

@@ -8,8 +8,10 @@ Three views of the same window, side by side:
   * simulated, testbed scale: the calibrated simulator on the same configuration, beside the
     testbed's numbers (how far it agrees on a workload it was not fitted on);
   * simulated, the trace's own scale: lengths and clock as the trace gives them, on the paper's
-    2P4D of Qwen2.5-32B on H800 (topologies/sim/2p4d-paper.yaml, units target), where one 1P1D
-    could not keep up with the trace's 3.4 agents a second of 12K-token prompts.
+    2P4D of DS 660B (DeepSeek-V3.2) on H800 (topologies/sim/2p4d-paper.yaml with the paper's model
+    of that cluster, units target), where one 1P1D could not keep up with the trace's 3.4 agents a
+    second of 12K-token prompts. Not Qwen2.5-32B: its weights leave an H800 6.5 GB of HBM, 24,689
+    tokens of KV, and the trace's longest prompts (120K tokens) could never be decoded.
 Why offline and why dilation 26: this trace reuses little (about 5 % of a short window's prompt
 tokens hit, against the agentic traces' 95 %), so the real model computes almost every prompt
 token, and a pass filled to the compute quota costs the tiny model 3 to 5.5 s of CPU per 0.3 s of
@@ -43,6 +45,18 @@ LENGTH_SCALE = 16
 SCALE = 0.0003  # 1p1d-io's links, x0.0003: dilation 26 (the module docstring)
 WINDOW_S = {True: (0.0, 60.0), False: (0.0, 300.0)}  # --quick, full: seconds of the trace
 SIM_TOPOLOGY = TOPOLOGIES / "sim" / "2p4d-paper.yaml"
+SIM_TARGET = {"gpu": "h800", "model": "deepseek-v3.2"}  # DS 660B: the paper's model on its 2P4D
+
+
+def sim_topology():
+    """The paper's 2P4D with the paper's model on it (the file's target is the testbed's)."""
+    import yaml
+
+    from testbed.topology import parse_topology
+
+    raw = yaml.safe_load(SIM_TOPOLOGY.read_text())
+    raw.update(name=f"{raw['name']}-ds660b", target=dict(SIM_TARGET))
+    return parse_topology(raw, source=f"{SIM_TOPOLOGY} with target {SIM_TARGET['model']}", carried=False)
 
 
 def trace_spec(quick: bool, own_scale: bool = False) -> TraceSpec:
@@ -60,7 +74,7 @@ def plan(quick: bool = False) -> Plan:
         f"the conversation trace's requests arriving in [{a:g}, {b:g}) s, lengths / {LENGTH_SCALE} (512-token trace "
         f"blocks become 32-token Full Blocks), offline, on 1p1d-io (Qwen2.5-32B on H800) with its links at "
         f"x{SCALE:g} (dilation 26: the real model's CPU per emulated second; the notes say why); the simulator "
-        f"replays the same window at the trace's own lengths and clock on the paper's 2P4D"))
+        f"replays the same window at the trace's own lengths and clock on the paper's 2P4D of DS 660B"))
 
 
 # --------------------------------------------------------------------------- the numbers
@@ -149,7 +163,7 @@ def render(views: dict[str, dict[str, Any]], out: Path) -> list[str]:
                        value_fmt="{:.3g}")
     plots.legend_below(ax, ncol=2)
     plots.caption(fig, f"testbed: 1p1d-io, lengths / {LENGTH_SCALE}, offline; simulated at the trace's scale: lengths and clock as "
-                       "the trace gives them, on the paper's 2P4D (simulated, not a testbed result)")
+                       "the trace gives them, on the paper's 2P4D of DS 660B (simulated, not a testbed result)")
     plots.save(fig, out / "mooncake_trace_ttft.png")
     fig, ax = plots.new_figure("mooncake-trace: mean agent JCT per mode and view", "", "mean agent JCT (emulated s)")
     plots.grouped_bars(ax, labels, {m: [views[v].get(m, {}).get("agent_jct_mean_s") for v in groups] for m in MODES},
@@ -161,7 +175,6 @@ def render(views: dict[str, dict[str, Any]], out: Path) -> list[str]:
 
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     from testbed.reproduce.projection import calibration
-    from testbed.topology import load_topology
 
     key = f"{ID}/testbed"
     run = runs.get(key)
@@ -191,7 +204,7 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
         sims["simulated, testbed scale (1p1d-io)"] = simulate(trace_spec(quick), plan(quick).configs[0].topology_obj(),
                                                               "testbed", cal)
     sims["simulated, the trace's scale (2P4D)"] = simulate(trace_spec(quick, own_scale=True),
-                                                           load_topology(SIM_TOPOLOGY, carried=False), "target",
+                                                           sim_topology(), "target",
                                                            (cal or _uncalibrated()).without_host())
     for name, s in sims.items():
         views[name] = s["modes"]
