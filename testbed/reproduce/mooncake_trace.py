@@ -32,7 +32,7 @@ from typing import Any
 
 from testbed.measure import plots
 from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio
-from testbed.reproduce.plan import TOPOLOGIES, Plan, RunConfig, WorkloadSpec, in_repo
+from testbed.reproduce.plan import Plan, RunConfig, WorkloadSpec, in_repo
 from testbed.reproduce.spread import NONE, Draws, sample_draws, speedup_draws, sums_draws
 from dualpath.workload.trace import TraceSpec
 
@@ -44,19 +44,14 @@ MODES = ("basic", "dualpath")
 LENGTH_SCALE = 16
 SCALE = 0.0003  # 1p1d-io's links, x0.0003: dilation 26 (the module docstring)
 WINDOW_S = {True: (0.0, 60.0), False: (0.0, 300.0)}  # --quick, full: seconds of the trace
-SIM_TOPOLOGY = TOPOLOGIES / "sim" / "2p4d-paper.yaml"
-SIM_TARGET = {"gpu": "h800", "model": "deepseek-v3.2"}  # DS 660B: the paper's model on its 2P4D
+SIM_MODEL = "deepseek-v3.2"  # DS 660B: the paper's model on its 2P4D
 
 
 def sim_topology():
     """The paper's 2P4D with the paper's model on it (the file's target is the testbed's)."""
-    import yaml
+    from testbed.reproduce.scale import paper_cluster
 
-    from testbed.topology import parse_topology
-
-    raw = yaml.safe_load(SIM_TOPOLOGY.read_text())
-    raw.update(name=f"{raw['name']}-ds660b", target=dict(SIM_TARGET))
-    return parse_topology(raw, source=f"{SIM_TOPOLOGY} with target {SIM_TARGET['model']}", carried=False)
+    return paper_cluster(2, 4, SIM_MODEL)
 
 
 def trace_spec(quick: bool, own_scale: bool = False) -> TraceSpec:

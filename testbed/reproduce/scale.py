@@ -63,6 +63,21 @@ def topology(name: str) -> Topology:
     return load_topology(SIM_TOPOLOGIES / f"{name}.yaml", carried=False)
 
 
+def paper_cluster(prefill_nodes: int, decode_nodes: int, model: str) -> Topology:
+    """The paper's nodes (2p4d-paper.yaml: 8 H800s with a 400 Gbit/s CNIC each, one 400 Gbit/s
+    SNIC per node, a storage tier wider than the SNICs) as a PxD cluster serving `model`: the
+    paper's DS 660B on 2P4D, DS 27B on 1P1D and Qwen2.5-32B on 1P2D."""
+    import yaml
+
+    from testbed.topology import parse_topology
+
+    path = SIM_TOPOLOGIES / "2p4d-paper.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw.update(name=f"{prefill_nodes}p{decode_nodes}d-paper-{model}", prefill_nodes=prefill_nodes,
+               decode_nodes=decode_nodes, target={"gpu": "h800", "model": model})
+    return parse_topology(raw, source=f"{path} as {prefill_nodes}P{decode_nodes}D of {model}", carried=False)
+
+
 def run_one(name: str, quick: bool, aps: float | None = None, progress: Callable[[str], None] = print,
             mode: str = "dualpath") -> tuple[SimResult, dict[str, Any]]:
     """One cluster, one mode: the raw result and its summary.json entry."""
