@@ -36,15 +36,19 @@ def fig7_jct(cfg, mode):
 
 
 def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
+    from testbed.reproduce import paper_rows
     monkeypatch.setattr(module("fig7"), "PROJECTION_AGENTS", (2, 3))  # the simulated projection, small
+    monkeypatch.setattr(paper_rows, "AGENTS_PER_PE_NODE", {True: 1, False: 1})  # the paper's grid, small
     plan = module("fig7").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig7_jct, bound=lambda c: 2.0)
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     s = summary(out)
     check_interface(out, s, "fig7")
     assert s["faithful"] is True and s["complete"] is True
-    assert s["pngs"] == ["fig7_64K.png"]
-    for c in s["cells"]:
+    assert s["pngs"] == ["fig7_64K.png", "fig7_panels.png"]
+    tb = [c for c in s["cells"] if c["source"] == "testbed"]
+    assert len(tb) == 2 and all(c["model"] == "Qwen2.5-32B" and c["maxlen"] == "64K" for c in tb)
+    for c in tb:
         assert c["speedup"] == pytest.approx(2.0) and c["dualpath_over_oracle"] == pytest.approx(1.25)
         assert c["jct_s"]["basic"] == pytest.approx(25.0 * c["agents"])
     h = heads(s)["MaxLen 64K, 32 agents: DualPath speed-up over Basic (x)"]
@@ -59,10 +63,23 @@ def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
     assert pj["check"]["testbed"]["jct_s"] == {"basic": 800.0, "dualpath": 400.0, "oracle": 320.0}
     assert pj["check"]["sim"]["speedup"] > 1
     assert "## Projection: MaxLen 64K at its full turn counts, simulated" in (out / "report.md").read_text()
+    # every one of the paper's nine panels has a cell, and every simulated one says so
+    sim = [c for c in s["cells"] if c["source"] == "simulated"]
+    assert {(c["model"], c["maxlen"]) for c in sim} == {(m, x) for m in ("DS 660B", "DS 27B", "Qwen2.5-32B")
+                                                          for x in ("32K", "48K", "64K")}
+    for c in sim:
+        assert c["faithful"] is None and c["agents"] == (2 if c["model"] == "DS 660B" else 1)
+        assert c["cluster"] == {"DS 660B": "2P4D", "DS 27B": "1P1D", "Qwen2.5-32B": "1P2D"}[c["model"]]
+        assert (c["speedup"] is None) == (c["failed"] > 0)
+        if c["speedup"] is not None:
+            assert c["speedup"] == pytest.approx(c["jct_s"]["basic"] / c["jct_s"]["dualpath"])
+    assert s["sim_validation"]["mean_jct_err"] is not None
+    assert "## Every panel: the paper's models on the paper's clusters, simulated" in (out / "report.md").read_text()
 
 
 def test_fig7_unfaithful_when_one_run_is(tmp_path, monkeypatch):
     monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")  # no projection
+    monkeypatch.setattr(module("fig7"), "PAPER_GRID", False)  # nor the paper's simulated panels
     plan = module("fig7").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig7_jct, unfaithful={plan.configs[0].key})
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
@@ -73,6 +90,7 @@ def test_fig7_unfaithful_when_one_run_is(tmp_path, monkeypatch):
 
 def test_fig7_missing_runs_are_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(module("fig7"), "CALIBRATION", tmp_path / "none.json")  # no projection
+    monkeypatch.setattr(module("fig7"), "PAPER_GRID", False)  # nor the paper's simulated panels
     plan = module("fig7").plan(True)
     plan.configs = plan.configs[:1]
     runs_for_plan(tmp_path / "runs", plan, fig7_jct)
@@ -180,6 +198,8 @@ def test_fig9_workloads_reach_maxlen_so_larger_appends_end_trajectories_sooner(q
 @pytest.mark.parametrize("fig", ["fig7", "fig9"])
 def test_without_the_calibration_a_figure_has_no_projection(tmp_path, monkeypatch, fig):
     monkeypatch.setattr(module(fig), "CALIBRATION", tmp_path / "none.json")
+    if fig == "fig7":
+        monkeypatch.setattr(module(fig), "PAPER_GRID", False)
     runs_for_plan(tmp_path / "runs", module(fig).plan(True), {"fig7": fig7_jct, "fig9": fig9_jct}[fig])
     out, _ = reproduce_id(fig, quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
     assert summary(out)["projection"] is None and "Projection" not in (out / "report.md").read_text()

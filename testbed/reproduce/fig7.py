@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.measure import plots
-from testbed.reproduce import paper
+from testbed.reproduce import paper, paper_rows
 from testbed.reproduce import projection as projection_
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, pd_bound, ratio
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
@@ -21,6 +21,7 @@ ID = "fig7"
 TITLE = "Offline JCT of Basic, DualPath and Oracle over agents x MaxLen"
 MODES = ("basic", "dualpath", "oracle")
 TOPOLOGY = "1p1d-io"
+TESTBED_MODEL = "Qwen2.5-32B"  # the testbed's target (1p1d-io: Qwen2.5-32B on H800)
 
 
 def grid(quick: bool) -> tuple[tuple[str, ...], tuple[int, ...], float]:
@@ -56,7 +57,9 @@ def cells(runs: dict, quick: bool) -> list[dict]:
         if r is None:
             continue
         j = {m: jct(r, m) for m in MODES}
-        out.append({"key": cfg.key, **cfg.params, "jct_s": j, "speedup": ratio(j["basic"], j["dualpath"]),
+        out.append({"key": cfg.key, **cfg.params, "model": TESTBED_MODEL, "cluster": "1P1D (1p1d-io)",
+                    "maxlen": cfg.params["max_len"], "source": "testbed",
+                    "jct_s": j, "speedup": ratio(j["basic"], j["dualpath"]),
                     "speedup_ci95": speedup_draws(r).estimate().ci95,
                     "dualpath_over_oracle": ratio(j["dualpath"], j["oracle"]), "bound": pd_bound(r),
                     "faithful": r.faithful([m for m in MODES if r.has(m)])})
@@ -180,5 +183,71 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              "Shape to reach: DualPath below Basic in every cell, approaching Oracle; the speed-up grows with agents "
              "and MaxLen and stays at or under its bound."]
     pj = projection(rows, quick)  # a section and summary.json's "projection", never a headline
-    return Result(ID, TITLE, heads, render(rows, out, quick), used, data={"cells": rows, "projection": pj}, notes=notes,
-                  scale_down=plan(quick).scale_down, sections=[projection_section(pj)] if pj else [])
+    sim = paper_rows.grid(quick, progress=lambda _m: None) if PAPER_GRID else []
+    val = paper_rows.validation()
+    pngs = render(rows, out, quick) + render_grid(rows, sim, out)
+    sections = ([projection_section(pj)] if pj else []) + ([grid_section(sim, val, quick)] if sim else [])
+    return Result(ID, TITLE, heads, pngs, used, data={"cells": rows + sim, "sim_validation": val, "projection": pj},
+                  notes=notes, scale_down=plan(quick).scale_down, sections=sections)
+
+
+# The paper's nine panels (three models by three MaxLens): the testbed's own cells, and the rest
+# simulated on the paper's clusters (testbed.reproduce.paper_rows); off in tests that need speed.
+PAPER_GRID = True
+
+
+def render_grid(rows: list[dict], sim: list[dict], out: Path) -> list[str]:
+    """The paper's 3 x 3 grid: per panel, each cell's speed-up over Basic, by its source."""
+    if not sim:
+        return []
+    import matplotlib.pyplot as plt
+
+    models = [r.label for r in paper_rows.PAPER_ROWS]
+    fig, axes = plt.subplots(len(models), len(paper_rows.MAXLENS), figsize=(11, 8.5), sharey=True, squeeze=False)
+    for i, model in enumerate(models):
+        for j, maxlen in enumerate(paper_rows.MAXLENS):
+            ax = axes[i][j]
+            mine = [c for c in rows + sim if c["model"] == model and c["maxlen"] == maxlen]
+            labels = [f"{c['agents']}\n{'testbed' if c['source'] == 'testbed' else 'sim'} {c['cluster'].split()[0]}"
+                      for c in mine]
+            vals = [c["speedup"] or 0.0 for c in mine]
+            colors = [plots.color("dualpath") if c["source"] == "testbed" else "#999999" for c in mine]
+            ax.bar(range(len(mine)), vals, color=colors)
+            for k, c in enumerate(mine):
+                ax.text(k, (c["speedup"] or 0.0) + 0.03, "does not fit" if c["speedup"] is None else f"{c['speedup']:.2f}x",
+                        ha="center", fontsize=7)
+            ax.axhline(1.0, color="black", lw=0.6)
+            ax.set_xticks(range(len(mine)), labels, fontsize=7)
+            ax.set_title(f"{model}, MaxLen {maxlen}", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("DualPath speed-up over Basic (x)", fontsize=8)
+    fig.suptitle("Figure 7, every panel: DualPath's speed-up over Basic by model and MaxLen "
+                 "(coloured: testbed, lengths / 32; grey: simulated, the paper's lengths and cluster)", fontsize=9)
+    fig.tight_layout()
+    plots.save(fig, out / "fig7_panels.png")
+    return ["fig7_panels.png"]
+
+
+def grid_section(sim: list[dict], val: dict | None, quick: bool) -> str:
+    v = ("no committed `dualpath sim --validate`" if val is None else
+         f"the simulator's committed validation ({val['report']}): mean JCT error {val['mean_jct_err']:.2%}, max "
+         f"{val['max_jct_err']:.2%} over {val['runs']} FAITHFUL testbed runs at the testbed's scale; no testbed run "
+         "exists at these lengths and sizes to check them against")
+    rows = []
+    for c in sim:
+        j = c["jct_s"]
+        cells = (" | ".join(f"{j[m]:.4g}" for m in MODES) + f" | {c['speedup']:.3g} | {c['dualpath_over_oracle']:.3g}"
+                 if c["speedup"] is not None else f"— | — | — | does not fit ({c['failed']} of {c['requests']} requests "
+                 f"failed) | —")
+        rows.append(f"| {c['model']} | {c['cluster']} | {c['maxlen']} | {c['agents']} | {cells} |")
+    failed = next((c for c in sim if c["failed"]), None)
+    why = (f" A cell that does not fit: {failed['failure']} (the paper serves Qwen2.5-32B with data parallelism "
+           "only, a full BF16 copy per GPU, which leaves an H800 6.47 GB for KV: contexts past 24,689 tokens "
+           "cannot decode; the paper does not say how its 48K and 64K Qwen contexts fit).") if failed else ""
+    return "\n".join([
+        "## Every panel: the paper's models on the paper's clusters, simulated", "",
+        f"Not testbed results (`source: simulated` in summary.json's `cells`, `faithful: null`): "
+        f"testbed.reproduce.paper_rows, in the target's own units at the paper's lengths, {v}. Agents: "
+        f"{paper_rows.AGENTS_PER_PE_NODE[quick]} per prefill node (the module says why not the paper's 512-4096).{why}",
+        "", "| model | cluster | MaxLen | agents | Basic JCT (s) | DualPath JCT | Oracle JCT | speed-up (x) | "
+        "DualPath / Oracle |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
