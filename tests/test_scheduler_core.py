@@ -245,3 +245,15 @@ def test_idle_read_queues_share_the_reads_between_sides():
         paths.append(a.path)
         cluster(s)  # fresh reports: the reads finished, both queues are empty again
     assert paths == [ReadPath.PE, ReadPath.DE] * 3
+
+
+def test_a_timed_out_request_says_what_the_scheduler_saw():
+    from testbed.cluster.scheduling import why_waiting
+    now = [5.0]
+    s = Scheduler(PROFILE, clock=lambda: now[0])
+    cluster(s, n_pe=1, n_de=1, tok=6000, free=10)  # the PE over beta (5,000 tokens), the DE nearly full
+    s.on_request(req(0))
+    now[0] = 7.5
+    why = why_waiting(s, req(0))
+    assert "needs 170 tokens" in why and "'pe_waiting': 1" in why and "under 5000 tokens" in why
+    assert "p0 tok 6000 free 10 (2.5 s ago)" in why and "d0 tok 6000 free 10" in why

@@ -59,6 +59,19 @@ class Router(Protocol):
         can (every group of a role lost its leader)."""
 
 
+def why_waiting(sched: Scheduler, req: Request) -> str:
+    """What the scheduler saw when a request timed out: each engine's tokens, free HBM tokens
+    and report age, and the queues (read from another thread: a snapshot for the error only)."""
+    try:
+        now = sched.clock()
+        engines = ", ".join(f"{e.engine_id} tok {e.tok} free {e.free_hbm} ({now - e.last_report:.1f} s ago)"
+                            for e in list(sched.engines.values()))
+        return (f"the request needs {req.total_len} tokens; queues {sched.queue_lengths()}; a PE admits "
+                f"under {sched.thresholds.beta_tokens:.0f} tokens; engines: {engines}")
+    except Exception as e:  # a snapshot taken mid-update: say so rather than hide the timeout
+        return f"(no scheduler snapshot: {type(e).__name__}: {e})"
+
+
 class ServiceRouter:
     def __init__(self, cluster: Cluster, scheduler: Scheduler, bind_ip: str,
                  interval_s: float = 0.02) -> None:
@@ -174,7 +187,13 @@ class ServiceRouter:
         try:
             a = await self._until(decided, deadline)
             await self._until(delivered, deadline)
-        except (asyncio.TimeoutError, ControlError):
+        except asyncio.TimeoutError:
+            self._decided.pop(req.request_id, None)
+            self._delivered.pop(req.request_id, None)
+            raise asyncio.TimeoutError(f"no engine admitted the request within {timeout_s:g} s "
+                                       f"({'decided, not delivered to its PE' if decided.done() else 'not decided'}); "
+                                       + why_waiting(self.service.scheduler, req)) from None
+        except ControlError:
             self._decided.pop(req.request_id, None)
             self._delivered.pop(req.request_id, None)
             raise
