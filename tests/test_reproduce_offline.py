@@ -38,7 +38,7 @@ def fig7_jct(cfg, mode):
 def test_fig7_speedups_from_the_runs(tmp_path, monkeypatch):
     from testbed.reproduce import paper_rows
     monkeypatch.setattr(module("fig7"), "PROJECTION_AGENTS", (2, 3))  # the simulated projection, small
-    monkeypatch.setattr(paper_rows, "AGENTS_PER_PE_NODE", {True: 1, False: 1})  # the paper's grid, small
+    monkeypatch.setattr(paper_rows, "AGENTS_PER_PE_NODE", {True: (1,), False: (1,)})  # the paper's grid, small
     plan = module("fig7").plan(True)
     runs_for_plan(tmp_path / "runs", plan, fig7_jct, bound=lambda c: 2.0)
     out, res = reproduce_id("fig7", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)

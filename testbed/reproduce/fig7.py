@@ -248,6 +248,7 @@ def grid_section(sim: list[dict], val: dict | None, quick: bool) -> str:
         "## Every panel: the paper's models on the paper's clusters, simulated", "",
         f"Not testbed results (`source: simulated` in summary.json's `cells`, `faithful: null`): "
         f"testbed.reproduce.paper_rows, in the target's own units at the paper's lengths, {v}. Agents: "
-        f"{paper_rows.AGENTS_PER_PE_NODE[quick]} per prefill node (the module says why not the paper's 512-4096).{why}",
+        f"{' and '.join(map(str, paper_rows.AGENTS_PER_PE_NODE[quick]))} per prefill node (the module says why not "
+        f"the paper's 512-4096).{why}",
         "", "| model | cluster | MaxLen | agents | Basic JCT (s) | DualPath JCT | Oracle JCT | speed-up (x) | "
         "DualPath / Oracle |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows])

@@ -11,9 +11,10 @@ has; no testbed run exists at these lengths and sizes.
 
 Scale-down, stated: the paper's agent counts (DS 660B 512 to 4096) make hundreds of thousands
 of requests per mode, more than this host simulates in an id's hour (about 600 requests per wall
-second), so each cell has AGENTS_PER_PE_NODE agents per prefill node (DS 660B twice DS 27B's
+second), so the cells have AGENTS_PER_PE_NODE agents per prefill node (DS 660B twice DS 27B's
 and Qwen's, as in the paper). At these counts an agent's own chain of turns can bound the JCT
-more than the storage NICs do; the speed-up is then smaller than at the paper's counts.
+more than the storage NICs do; the speed-up is then smaller than at the paper's counts (DS 27B
+64K, simulated: 1.19x at 64 agents, 1.63x at 128, 1.89x at 256; the paper: 1.78x at 1024).
 
 Qwen2.5-32B, served as the paper says (data parallelism only: a full BF16 copy of its 65.5 GB of
 weights per H800), has 6.47 GB of HBM for KV, 24,689 tokens: every trace set has contexts past
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 VALIDATIONS = REPO / "results" / "sim" / "validate"
-AGENTS_PER_PE_NODE = {True: 16, False: 256}  # --quick, full
+AGENTS_PER_PE_NODE = {True: (64,), False: (64, 256)}  # --quick, full: one cell per count
 MODES = ("basic", "dualpath", "oracle")
 
 
@@ -46,8 +47,8 @@ class PaperRow:
     def cluster(self) -> str:
         return f"{self.prefill_nodes}P{self.decode_nodes}D"
 
-    def agents(self, quick: bool) -> int:
-        return AGENTS_PER_PE_NODE[quick] * self.prefill_nodes
+    def agents(self, quick: bool) -> tuple[int, ...]:
+        return tuple(n * self.prefill_nodes for n in AGENTS_PER_PE_NODE[quick])
 
 
 PAPER_ROWS = (PaperRow("DS 660B", "deepseek-v3.2", 2, 4), PaperRow("DS 27B", "ds-27b", 1, 1),
@@ -96,11 +97,11 @@ def validation(root: Path = VALIDATIONS) -> dict[str, Any] | None:
 
 
 def grid(quick: bool, progress=print) -> list[dict[str, Any]]:
-    """Every row's cells (each MaxLen), simulated."""
+    """Every row's cells (each MaxLen, each agent count), simulated."""
     out = []
     for row in PAPER_ROWS:
-        for maxlen in MAXLENS:
-            c = simulate_cell(row, maxlen, row.agents(quick))
+        for maxlen, agents in ((x, n) for x in MAXLENS for n in row.agents(quick)):
+            c = simulate_cell(row, maxlen, agents)
             what = (f"speed-up {c['speedup']:.3g}x" if c["speedup"] is not None else
                     f"{c['failed']} of {c['requests']} requests failed: {c['failure']}")
             progress(f"  simulated {row.label} {row.cluster} {maxlen}, {c['agents']} agents: {what} "
