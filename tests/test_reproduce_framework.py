@@ -125,6 +125,26 @@ def test_the_online_figures_share_their_runs():
     assert [c.digest() for c in left] == [grid[0], grid[past]]
 
 
+def test_decode_work_shares_each_steps_fixed_cost_over_the_batch_the_hbm_holds():
+    from dualpath.scheduler.cost_model import DecodeCostModel
+    from testbed.reproduce.plan import decode_work
+    dc = DecodeCostModel(intercept=0.01, per_request=0.001, per_context=1e-6)
+    turns = [(0, 100, 10, 1000)] * 4  # (hit, miss, gen, ctx): 40 tokens at a 1,000-token context
+    own = 40 * (0.001 + 1e-3)
+    assert decode_work(turns, dc, hbm_tokens=4000) == pytest.approx(own + 40 / 4 * 0.01)  # batches of 4
+    assert decode_work(turns, dc, hbm_tokens=500) == pytest.approx(own + 40 * 0.01)  # one at a time
+    assert decode_work([], dc, 4000) == 0.0
+
+
+def test_a_write_heavy_run_is_estimated_by_its_write_back():
+    """fig14's burst (appends x64) writes far more new KV than it reads: its modes last as long
+    as the DE node's SNIC takes to write it back (measured 365 s for dualpath-rr at full size;
+    the estimate without the write-back said 82 s)."""
+    from testbed.reproduce import fig14
+    e = estimate(fig14.balance_config(False))
+    assert set(e["limited_by"].values()) == {"the write-back"} and e["per_mode_s"]["dualpath"] > 250
+
+
 def test_estimate_of_the_demo_matches_the_readme():
     """The README: the demo (24 agents, 5 modes on 1p1d-io at the demo's link scale) stays within
     three minutes; the estimate runs high (the plan's fixed costs are generous)."""

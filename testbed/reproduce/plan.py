@@ -13,6 +13,10 @@ lasts the longest of
   * the longest trajectory's own chain of turns, each a prefill pass of it alone plus its decode
     steps, in the target's time times the dilation;
   * the prefill engines' total work spread over all of them;
+  * the decode engines' total work spread over all of them, each step's fixed cost shared by a
+    batch as large as the target's decode HBM holds at the workload's mean context;
+  * writing each turn's new KV back through the DE nodes' SNICs (fig14's burst: 82 s estimated
+    without it, 365 s measured, 310 s with it);
   * for online runs, the arrival span plus the last agent's chain;
 plus the cluster's start, each mode's warm-up, and verification of every request against a
 recomputation. Good to within a factor of about 1.5; the real JCTs land in each run's summary.
@@ -269,6 +273,9 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
 
     serial = max((chain(t) for t in wn["per_traj"]), default=0.0) * k
     pe_work = sum(pc.request_cost(hit, miss) for hit, miss, _, _ in wn["turns"]) * k / (p * g)
+    de_work = decode_work(wn["turns"], dc, topo.hbm_plan(DEMO_KV_BYTES_PER_TOKEN).decode.tokens) * k / (d * g)
+    # each turn's new KV goes back to storage through the DE node's SNIC (tx: apart from the reads)
+    write_bytes = sum(miss + gen for _, miss, gen, _ in wn["turns"]) * DEMO_KV_BYTES_PER_TOKEN
     span = wn["span_s"] * k
     if cfg.online:
         span = (cfg.workload.agents - 1) / cfg.online.aps * k
@@ -276,15 +283,30 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
     for m in cfg.modes:
         readers = {"P": p, "PD": p + d, "": 0}[READERS.get(m, "P")]
         io = hit_bytes / (readers * snic) if readers else 0.0
+        wb = write_bytes / (d * snic) if readers else 0.0
         chain_s = span + serial
-        t = max(io, chain_s, pe_work)
-        limited[m] = "storage NICs" if t == io else "prefill engines" if t == pe_work else \
-            ("arrivals" if cfg.online or wn["span_s"] else "the longest agent's chain of turns")
+        t = max(io, wb, chain_s, pe_work, de_work)
+        limited[m] = ("storage NICs" if t == io else "the write-back" if t == wb else "prefill engines" if t == pe_work
+                      else "decode engines" if t == de_work else
+                      "arrivals" if cfg.online or wn["span_s"] else "the longest agent's chain of turns")
         per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
     verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(READERS.get(m, "P") != "" for m in cfg.modes)
     total = SETUP_S + sum(per_mode.values()) + verify
     return {"per_mode_s": per_mode, "limited_by": limited, "verify_s": round(verify, 1), "total_s": round(total, 1),
             "hit_bytes": hit_bytes, "requests": wn["requests"], "dilation": k}
+
+
+def decode_work(turns, dc, hbm_tokens: int) -> float:
+    """Emulated decode seconds of every turn, summed over engines: each token's share of its
+    step, batches as large as the decode HBM holds at the mean context (a step's fixed cost is
+    shared by its batch)."""
+    gens = sum(gen for *_, gen, _ in turns)
+    if not gens:
+        return 0.0
+    mean_ctx = sum(ctx * gen for *_, gen, ctx in turns) / gens
+    batch = max(1, int(hbm_tokens // max(1.0, mean_ctx)))
+    own = sum(gen * (dc.step_cost([ctx]) - dc.intercept) for *_, gen, ctx in turns)
+    return own + gens / batch * dc.intercept
 
 
 def io_capacity_aps(cfg: RunConfig, mode: str) -> float:
