@@ -140,6 +140,9 @@ def test_killing_a_decode_engine_mid_transfer_retries_or_fails_its_requests_clea
         assert all("dpt-d0e0" in (r.error or " ".join(r.faults)) for r in hit), [(r.error, r.faults) for r in hit]
         assert all(r.de != "dpt-d0e0" for r in recs if not r.error and r.attempts > 1)  # retried elsewhere
         assert all(not r.tokens for r in recs if r.error)  # a failed request returns no tokens
+        # every live engine let go of every request, the failed attempts' too: nothing holds HBM
+        # into a next mode (a full-size fig14 once found its decode engines full of them)
+        assert router.load_left == {}, router.load_left
         # the frontend's index is what the store holds: every block it counts as a hit is there
         hits = sorted(co.index.stored)
         assert hits and co.index.stored <= co.index.persisted

@@ -155,3 +155,12 @@ def test_mooncake_trace_at_its_own_scale_runs_on_the_papers_model_of_that_cluste
     s = mt.simulate(mt.trace_spec(True, own_scale=True), topo, "target", mt._uncalibrated().without_host())
     assert set(s["modes"]) == set(mt.MODES)
     assert all(m["errors"] == 0 and m["requests"] == s["trace"]["requests"] for m in s["modes"].values())
+
+
+def test_a_mode_that_lost_requests_is_no_result_even_when_its_time_was_faithful(tmp_path):
+    rf = RunFolder(tmp_path / "run")
+    rf.mode("basic").mode("dualpath")
+    rf.summary["modes"]["dualpath"].update(errors=3, requests=40, first_error={"request": "x", "error": "no engine"})
+    r = load_run(rf.write())
+    assert r.faithful(["basic"]) and not r.faithful()
+    assert r.unfaithful() == {"dualpath": ["3 of 40 requests failed (first: no engine)"]}

@@ -257,3 +257,23 @@ def test_a_timed_out_request_says_what_the_scheduler_saw():
     why = why_waiting(s, req(0))
     assert "needs 170 tokens" in why and "'pe_waiting': 1" in why and "under 5000 tokens" in why
     assert "p0 tok 6000 free 10 (2.5 s ago)" in why and "d0 tok 6000 free 10" in why
+
+
+def test_a_queue_that_moves_is_not_a_stall():
+    from testbed.cluster.scheduling import stalled
+    # submitted at 0, the last admission (of another request) at 100: not stalled at 150
+    assert not stalled(150.0, 0.0, 100.0, 120.0)
+    assert stalled(220.0, 0.0, 100.0, 120.0)  # nothing admitted for 120 s
+    assert not stalled(100.0, 50.0, 0.0, 120.0) and stalled(170.0, 50.0, 0.0, 120.0)  # counted from submission
+
+
+def test_a_request_an_engine_will_not_run_stops_counting_there():
+    """What the conductor's release does on an engine: a request given to it (assigned), then
+    released because it failed elsewhere or was abandoned, leaves its load, whichever came first."""
+    from dualpath.nodes.leader import EngineLoad
+    load = EngineLoad(24689)
+    load.assigned("r1", 2048)
+    load.finished("r1")  # released
+    load.finished("r2")  # released before its leader's late 'assigned'
+    load.assigned("r2", 2048)
+    assert load.pending() == {} and load.report()["free_hbm_tokens"] == 24689

@@ -125,7 +125,7 @@ class RequestLifecycle:
         except StepError as e:
             rec.error = str(e)
             rec.t_done = self.now()
-            return (yield AfterFailure(rec, route, e))
+            return (yield AfterFailure(rec, route, e, rid))
         finally:
             for area, handle in held.values():
                 yield Release(area, handle)

@@ -115,6 +115,7 @@ class AfterFailure:
     rec: Any
     route: Any
     error: StepError
+    rid: str = ""  # the attempt's request id, as its engines were given it
 
 
 @dataclass(frozen=True)

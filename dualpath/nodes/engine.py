@@ -97,7 +97,10 @@ def main() -> None:
         "load": load.report,
         "assigned": lambda request, tokens: load.assigned(request, tokens) or {},
     }, auth=auth)
-    common = _leader_handlers(args.name, kv_per_token, auth.secret)
+    common = {**_leader_handlers(args.name, kv_per_token, auth.secret),
+              "load_pending": lambda: {"pending": load.pending()},
+              # a request given to this engine that will not run here (it failed elsewhere, or was abandoned)
+              "load_done": lambda request: load.finished(request) or {}}
     if args.role == "prefill":
         from dualpath.nodes.prefill_service import prefill_handlers
 

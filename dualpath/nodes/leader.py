@@ -59,6 +59,11 @@ class EngineLoad:
             if self._pending.pop(request, None) is None:
                 self._finished_early.add(request)
 
+    def pending(self) -> dict[str, int]:
+        """The requests given and not finished (token counts): empty once a mode has drained."""
+        with self._lock:
+            return dict(self._pending)
+
     def report(self) -> dict[str, int]:
         with self._lock:
             tok = sum(self._pending.values())

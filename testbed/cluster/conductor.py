@@ -126,6 +126,7 @@ class Conductor:
         rec.t_routed, rec.pe, rec.de = self._now(), route.pe, route.de
         if dead := self._dead(route.pe, route.de, self.c.host_of(route.de)):  # decided before it died
             self.faults.process_died(rec, dead[0], self._now(), f"routed to {dead[0]}, which had exited: retried")
+            await self.router.release(step.request.request_id, route.pe, route.de)  # the live one stops counting it
             raise StepError(f"{dead[0]} exited", retry=True)
         if route.avoided:
             self.faults.avoided(rec, route.avoided, self._now())
@@ -300,6 +301,8 @@ class Conductor:
         agent too: a PE-side read from its buffer dies with it, and the retry reads by the DE
         path, the scheduler seeing that node's SNIC down)."""
         route, c = step.route, self.c
+        if step.rid:  # the attempt is over: its engines must stop counting it, whatever comes next
+            await self.router.release(step.rid, route.pe, route.de)
         dead = self._dead(route.pe, route.de, c.host_of(route.de), c.host_of(route.pe))
         if isinstance(step.error.cause, ControlError) and dead:
             self.faults.process_died(step.rec, dead[0], self._now(), f"{dead[0]} exited during the request: retried")

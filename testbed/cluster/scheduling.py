@@ -58,6 +58,15 @@ class Router(Protocol):
         """TimeoutError if no engine admitted the request within timeout_s; ControlError if none
         can (every group of a role lost its leader)."""
 
+    async def release(self, request_id: str, *engines: str) -> None:
+        """The request will not run on these engines: they stop counting it."""
+
+
+def stalled(now: float, started: float, last_admitted: float, timeout_s: float) -> bool:
+    """A request's wait is a stall once timeout_s passed since it was submitted and since any
+    request was last admitted: a queue that moves is not a hang, however long it is."""
+    return now - max(started, last_admitted) >= timeout_s
+
 
 def why_waiting(sched: Scheduler, req: Request) -> str:
     """What the scheduler saw when a request timed out: each engine's tokens, free HBM tokens
@@ -93,6 +102,9 @@ class ServiceRouter:
         self._frontend = ThreadPoolExecutor(1, thread_name_prefix="frontend")  # owns the client socket
         self._client: SchedulerClient | None = None
         self.leader_stats: dict[str, dict] = {}
+        self.load_left: dict[str, dict] = {}  # engine -> requests it still counted when the mode ended
+        self._abandoned: set[str] = set()  # timed out here, perhaps still queued in the scheduler
+        self._last_admitted = time.monotonic()  # when a pull last assigned anything
 
     # -- lifecycle (on the cluster's loop) -------------------------------------------------------
     async def start(self) -> None:
@@ -147,6 +159,7 @@ class ServiceRouter:
                 self.leader_stats[group] = await self.c.clients[leader].call("unlead", timeout_s=10)
             except Exception as e:  # a dead leader must not stop the others from being stopped
                 self.leader_stats[group] = {"error": str(e)}
+        await self._check_drained()
         self._stop.set()
         self._thread.join(5)
         if self._client is not None:
@@ -154,8 +167,20 @@ class ServiceRouter:
         self._frontend.shutdown()
         self.service.close()
 
+    async def _check_drained(self) -> None:
+        """Every engine's load must be empty once its mode has drained: a request it still counts
+        would hold its tokens (and the decode HBM they stand for) against the next mode."""
+        for e in (e for g in self.groups.values() for e in g if self.c.procs[e].alive()):
+            try:
+                left = (await self.c.clients[e].call("load_pending", timeout_s=5)).get("pending") or {}
+            except Exception as err:  # reported, not raised: the mode's own results stand
+                left = {"(not asked)": str(err)}
+            if left:
+                self.load_left[e] = left
+
     def stats(self) -> dict:
         return {"service": self.service.endpoint, "messages": self.service.handled, "errors": self.service.errors,
+                "load_left": self.load_left,
                 "refused": self.service.auth.refused, "failovers": self.failovers,
                 "groups": {g: {"leader": self.leaders.get(g), "engines": e, **self.leader_stats.get(g, {})}
                            for g, e in self.groups.items()}}
@@ -169,12 +194,18 @@ class ServiceRouter:
         waiting = self._delivered if self._roles[group] == "prefill" else self._decided
         self.loop.call_soon_threadsafe(self._resolve, waiting, assignments)
 
-    @staticmethod
-    def _resolve(waiting: dict[str, asyncio.Future], assignments: list[Assignment]) -> None:
+    def _resolve(self, waiting: dict[str, asyncio.Future], assignments: list[Assignment]) -> None:
+        if assignments:
+            self._last_admitted = time.monotonic()
         for a in assignments:
             fut = waiting.pop(a.request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(a)
+            elif a.request_id in self._abandoned:  # its engines' leaders count it: release it there
+                engine = a.de_engine if waiting is self._decided else a.pe_engine
+                if waiting is self._delivered:
+                    self._abandoned.discard(a.request_id)  # delivered to its PE: the last the scheduler says of it
+                asyncio.ensure_future(self.release(a.request_id, engine))
 
     async def route(self, req: Request, timeout_s: float) -> Route:
         decided, delivered = self.loop.create_future(), self.loop.create_future()
@@ -183,30 +214,46 @@ class ServiceRouter:
         msg = RequestMsg(request_id=req.request_id, hit_tokens=req.hit_tokens, miss_tokens=req.miss_tokens,
                          total_len=req.total_len)
         await self.loop.run_in_executor(self._frontend, self._client.submit, [msg])
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
         try:
-            a = await self._until(decided, deadline)
-            await self._until(delivered, deadline)
+            a = await self._until(decided, started, timeout_s)
+            await self._until(delivered, started, timeout_s)
         except asyncio.TimeoutError:
-            self._decided.pop(req.request_id, None)
-            self._delivered.pop(req.request_id, None)
-            raise asyncio.TimeoutError(f"no engine admitted the request within {timeout_s:g} s "
+            self._abandon(req.request_id)
+            raise asyncio.TimeoutError(f"no engine admitted the request, and none any other, for {timeout_s:g} s "
                                        f"({'decided, not delivered to its PE' if decided.done() else 'not decided'}); "
                                        + why_waiting(self.service.scheduler, req)) from None
         except ControlError:
-            self._decided.pop(req.request_id, None)
-            self._delivered.pop(req.request_id, None)
+            self._abandon(req.request_id)
             raise
         return Route(a.pe_engine, a.de_engine, a.path.value, a.pe_blocks, a.avoided)
 
-    async def _until(self, fut: asyncio.Future, deadline: float):
+    def _abandon(self, request_id: str) -> None:
+        """The conductor stopped waiting: the scheduler may still assign the request later, and
+        whatever engine it then names must not count it for ever (_resolve releases it)."""
+        self._decided.pop(request_id, None)
+        self._delivered.pop(request_id, None)
+        self._abandoned.add(request_id)
+
+    async def release(self, request_id: str, *engines: str) -> None:
+        """Tell engines that a request they were given will not run (it failed, or was abandoned):
+        each drops it from the load it reports, so its tokens stop holding their HBM."""
+        for e in dict.fromkeys(engines):
+            if e in self.c.procs and self.c.procs[e].alive():
+                try:
+                    await self.c.clients[e].call("load_done", request=request_id, timeout_s=5)
+                except Exception:  # a dead or stuck engine: its load no longer matters or heals on restart
+                    pass
+
+    async def _until(self, fut: asyncio.Future, started: float, timeout_s: float):
         """The decision, or an error as soon as no live group of a role is left to pull for it
-        (a group pulls only through its leader), or TimeoutError at the deadline."""
+        (a group pulls only through its leader), or TimeoutError once neither this request nor any
+        other was admitted for timeout_s (a request that queues behind admitted ones waits on)."""
         while True:
             try:
-                return await asyncio.wait_for(asyncio.shield(fut), min(0.5, max(0.0, deadline - time.monotonic())))
+                return await asyncio.wait_for(asyncio.shield(fut), 0.5)
             except asyncio.TimeoutError:
-                if time.monotonic() >= deadline:
+                if stalled(time.monotonic(), started, self._last_admitted, timeout_s):
                     raise
             for role in ("prefill", "decode"):
                 groups = [g for g, r in self._roles.items() if r == role]

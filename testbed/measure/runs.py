@@ -92,19 +92,25 @@ class Run:
         return name in self.summary.get("modes", {})
 
     def faithful(self, modes: Iterable[str] | None = None) -> bool:
-        """True only if every named mode (default: all of the run's) was FAITHFUL."""
+        """True only if every named mode (default: all of the run's) was FAITHFUL and finished
+        every request: a JCT over the requests that happened to succeed is no result."""
         names = list(self.modes if modes is None else modes)
-        return bool(names) and all(bool(self.summary.get("modes", {}).get(m, {}).get("faithful")) for m in names)
+        return bool(names) and not self.unfaithful(names)
 
     def unfaithful(self, modes: Iterable[str] | None = None) -> dict[str, list[str]]:
-        """Mode -> reasons, for the named modes that were not FAITHFUL."""
+        """Mode -> reasons, for the named modes that were not FAITHFUL or lost requests."""
         out = {}
         for m in (self.modes if modes is None else modes):
             s = self.summary.get("modes", {}).get(m)
             if s is None:
                 out[m] = ["mode missing from the run"]
-            elif not s.get("faithful"):
-                out[m] = list(s.get("unfaithful_reasons") or ["not FAITHFUL"])
+                continue
+            why = [] if s.get("faithful") else list(s.get("unfaithful_reasons") or ["not FAITHFUL"])
+            if s.get("errors"):
+                first = (s.get("first_error") or {}).get("error", "")
+                why.append(f"{s['errors']} of {s.get('requests')} requests failed" + (f" (first: {first})" if first else ""))
+            if why:
+                out[m] = why
         return out
 
     def jct(self, mode: str) -> float:
