@@ -277,3 +277,11 @@ def test_a_request_an_engine_will_not_run_stops_counting_there():
     load.finished("r2")  # released before its leader's late 'assigned'
     load.assigned("r2", 2048)
     assert load.pending() == {} and load.report()["free_hbm_tokens"] == 24689
+
+
+def test_a_write_back_behind_a_long_queue_gets_the_time_the_queue_needs():
+    from testbed.cluster.conductor import flush_timeout_s
+    assert flush_timeout_s(120.0, 0, 1e9) == 120.0
+    # 300 MB queued for a 20 Mbit/s write path: 120 s drain, twice that as margin
+    assert flush_timeout_s(120.0, 300_000_000, 20e6) == pytest.approx(120.0 + 2 * 120.0)
+    assert flush_timeout_s(120.0, 10**9, 0) == 120.0

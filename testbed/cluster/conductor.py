@@ -57,6 +57,14 @@ from testbed.cluster.scheduling import Router
 _SURVIVABLE = (ControlError, OutOfSpace)  # what a step may raise and the request survive (retried or failed)
 
 
+def flush_timeout_s(base_s: float, bytes_queued: int, rate_bps: float, margin: float = 2.0) -> float:
+    """How long a write-back may take: the request timeout plus, with margin, the time the write
+    path needs for every byte queued for it up to and including this flush. A burst of turns
+    whose new KV outgrows the write path queues for minutes (fig14's full size: 288 agents' first
+    turns), which is a queue that moves, not a hang."""
+    return base_s + margin * bytes_queued * 8 / rate_bps if rate_bps > 0 else base_s
+
+
 class Conductor:
     def __init__(self, cluster: Cluster, geom: BlockGeometry, mode: str, namespace: bytes, router: Router,
                  request_timeout_s: float = scaled(120.0), on_record: Callable[[RequestRecord], None] | None = None,
@@ -82,6 +90,9 @@ class Conductor:
         self.lifecycle = RequestLifecycle(geom, self.connector, self.index, cluster.host_of, self._now,
                                           request_timeout_s, hbm)
         self._passes: dict[str, asyncio.Future] = {}  # per PE: its running passes
+        self._flushing: dict[str, int] = {}  # per DE node: write-back bytes its flushes have in flight
+        topo = cluster.fab.topo  # what every write-back crosses: a node's SNIC, the storage servers' NICs
+        self._write_bps = min(topo.snic_bps, topo.spec.storage.servers * topo.storage_nic_bps)
         self._handlers = {AskRoute: self._ask_route, Allocate: self._allocate, Release: self._release,
                           LoadHits: self._load_hits, Prefill: self._prefill, AwaitLayers: self._await_layers,
                           Decode: self._decode, WriteBack: self._write_back, AfterFailure: self._after_failure,
@@ -282,8 +293,15 @@ class Conductor:
         blocks = step.decoded.written_blocks
         await c.jobs[plan.de_node].call("wait_notifs", peer=plan.route.de, msgs=[plan.writeback_notif(b) for b in blocks],
                                         timeout_s=self.timeout_s)
-        res = await c.jobs[plan.de_node].call("flush", keys=keys, offset=step.wb[0], crcs=step.decoded.block_crcs,
-                                              timeout_s=self.timeout_s)
+        nbytes = len(keys) * self.geom.full_block_bytes
+        ahead = sum(self._flushing.values())  # every node's writes share the storage servers' NICs
+        self._flushing[plan.de_node] = self._flushing.get(plan.de_node, 0) + nbytes
+        try:
+            res = await c.jobs[plan.de_node].call("flush", keys=keys, offset=step.wb[0], crcs=step.decoded.block_crcs,
+                                                  timeout_s=flush_timeout_s(self.timeout_s, ahead + nbytes,
+                                                                            self._write_bps))
+        finally:
+            self._flushing[plan.de_node] -= nbytes
         took = list(res.get("stored", [True] * len(keys)))
         kept = [k for k, ok in zip(keys, took) if ok]
         if len(kept) < len(keys):  # not persisted: later turns recompute those blocks
