@@ -13,6 +13,14 @@ import pytest
 
 from tests.conftest import REPO, dualpath, needs_root
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_the_machine():
+    """This module's tests bring up a testbed: skip them while another run holds one."""
+    from tests.conftest import own_the_machine
+    own_the_machine()
+
+
 try:
     from testbed.calibrate.benches.transport_mooncake import need_mooncake
 

@@ -13,6 +13,14 @@ from dualpath.traffic_classes import KV_PORT_RANGE
 from testbed.api import TestbedError
 from tests.conftest import dualpath, needs_root
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_the_machine():
+    """This module's tests bring up a testbed: skip them while another run holds one."""
+    from tests.conftest import own_the_machine
+    own_the_machine()
+
+
 pytestmark = [needs_root, pytest.mark.dualpath_topology("1p1d")]
 
 N = 4 << 20  # bytes the sender sends

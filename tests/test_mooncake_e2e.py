@@ -12,6 +12,14 @@ import pytest
 
 from tests.conftest import dualpath, needs_root
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_the_machine():
+    """This module's tests bring up a testbed: skip them while another run holds one."""
+    from tests.conftest import own_the_machine
+    own_the_machine()
+
+
 pytestmark = [needs_root, pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
                                              reason="the Mooncake wheel is not installed")]
 

@@ -10,6 +10,14 @@ import pytest
 from tests.conftest import dualpath, needs_root
 from tests.test_trace import direct_count, known_trace, write
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_the_machine():
+    """This module's tests bring up a testbed: skip them while another run holds one."""
+    from tests.conftest import own_the_machine
+    own_the_machine()
+
+
 pytestmark = needs_root
 
 
