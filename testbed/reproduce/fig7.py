@@ -221,6 +221,8 @@ def render_grid(rows: list[dict], sim: list[dict], out: Path) -> list[str]:
             ax.set_title(f"{model}, MaxLen {maxlen}", fontsize=8)
             if j == 0:
                 ax.set_ylabel("DualPath speed-up over Basic (x)", fontsize=8)
+    top = max((c["speedup"] for c in rows + sim if c["speedup"] is not None), default=1.0)
+    axes[0][0].set_ylim(0, max(1.25, top * 1.15))  # shared: room for the labels above the bars
     fig.suptitle("Figure 7, every panel: DualPath's speed-up over Basic by model and MaxLen "
                  "(coloured: testbed, lengths / 32; grey: simulated, the paper's lengths and cluster)", fontsize=9)
     fig.tight_layout()
