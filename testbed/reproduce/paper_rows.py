@@ -89,11 +89,12 @@ def validation(root: Path = VALIDATIONS) -> dict[str, Any] | None:
     found = sorted(root.glob("*/summary.json"))
     if not found:
         return None
-    s = json.loads(found[-1].read_text())
+    newest = found[-1]
+    s = json.loads(newest.read_text())
+    report = newest.parent / "report.md"
     return {"mean_jct_err": s.get("mean_jct_err"), "max_jct_err": s.get("max_jct_err"),
             "held_out_mean_jct_err": s.get("held_out_mean_jct_err"), "runs": len(s.get("runs") or []),
-            "report": str(found[-1].parent.relative_to(REPO) / "report.md") if found[-1].is_relative_to(REPO) else
-            str(found[-1].parent / "report.md")}
+            "report": str(report.relative_to(REPO) if report.is_relative_to(REPO) else report)}
 
 
 def grid(quick: bool, progress=print) -> list[dict[str, Any]]:
