@@ -258,3 +258,26 @@ def test_fig12_left_read_grows_for_basic_only(tmp_path):
             assert p["split_queue_alloc"] is False and p["alloc"] == 0.0
     h = {x["name"]: x for x in s["headline"]}
     assert next(v for k, v in h.items() if k.startswith("left: DualPath"))["testbed"] == pytest.approx(1.0)
+
+
+def test_a_folder_with_both_sizes_runs_gives_each_size_its_own(tmp_path):
+    """fig10's runs folder holds the quick and the full grid, with the same keys: the other size's
+    runs, and its search probes (another number of agents per APS), are no points of this one."""
+    from types import SimpleNamespace
+
+    from testbed.reproduce import _not_an_online_point, id_plan
+    from testbed.reproduce.execute import probe_agents
+
+    plan = id_plan("fig10", True, 0, None)
+    first = plan.configs[0]
+    mine = SimpleNamespace(path=tmp_path / "mine", key=first.key, aps=first.online.aps, summary={})
+    other = SimpleNamespace(path=tmp_path / "other", key=first.key, aps=first.online.aps, summary={})
+    assert "mine is this size's run of" in _not_an_online_point(plan, other, {first.key: mine})
+    aps = 7.5
+    probe = SimpleNamespace(path=tmp_path / "p", key=f"online/basic/aps={aps:g}", aps=aps,
+                            summary={"trajectories": probe_agents(plan, aps)})
+    assert _not_an_online_point(plan, probe, {}) is None
+    probe.summary["trajectories"] += 1
+    assert "a search probe with" in _not_an_online_point(plan, probe, {})
+    offline = SimpleNamespace(path=tmp_path / "o", key="x", aps=None, summary={})
+    assert "not a run of this plan" in _not_an_online_point(plan, offline, {})

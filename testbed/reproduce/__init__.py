@@ -82,6 +82,23 @@ def match_runs(plan, runs) -> tuple[dict, list]:
     return by_key, [r for r in runs if id(r) not in taken]
 
 
+def _not_an_online_point(plan, run, taken: dict) -> str | None:
+    """Why a run the plan's configs did not take is no point of its online curves (None: it is).
+    A folder may hold both sizes' runs (--quick and full): a run whose key a run of this size
+    already has, or a search probe with another size's agents per APS, belongs to the other."""
+    from testbed.reproduce.execute import probe_agents
+
+    if not plan.needs_online or run.aps is None:
+        return "not a run of this plan (no matching plan.json)"
+    if run.key and run.key in taken:
+        return f"{taken[run.key].path.name} is this size's run of {run.key}"
+    agents = run.summary.get("trajectories")
+    if plan.search and run.key and run.key.count("/") == 2 and agents != probe_agents(plan, run.aps):
+        return (f"a search probe with {agents} agents at {run.aps:g} APS, where this size's search runs "
+                f"{probe_agents(plan, run.aps)}")
+    return None
+
+
 def _fits(cfg, run) -> bool:
     s = run.summary
     # the link scale sets only the dilation (emulated times do not depend on it): a plain run of
@@ -117,10 +134,11 @@ def reproduce_id(fig_id: str, quick: bool = False, out_root: Path = DEFAULT_OUT,
         if run_folders is not None:
             runs, rest = match_runs(plan, find_runs(run_folders))
             for r in rest:
-                if plan.needs_online and r.aps is not None:  # a probe of the APS search, or any online run
+                why = _not_an_online_point(plan, r, runs)
+                if why is None:  # a probe of the APS search, or any online run
                     runs[r.key or r.path.name] = r
                 else:
-                    progress(f"  {r.path}: not a run of this plan (no matching plan.json); ignored")
+                    progress(f"  {r.path}: {why}; ignored")
             any_online = any(r.aps is not None for r in runs.values())
             # an online figure reads whatever APS grid it is given: its own grid's keys are not required then
             missing = {c.key: "no such run folder given" for c in plan.configs

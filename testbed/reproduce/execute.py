@@ -93,6 +93,13 @@ def _one(cfg: RunConfig, runs_root: Path, command: str, progress, fresh: bool, r
     return done[cfg.digest()]
 
 
+def probe_agents(plan: Plan, aps: float) -> int:
+    """The agents a search probe at `aps` runs: the grid's last config's agents per APS (the
+    longest arrival span's), never fewer than it has."""
+    template = [c for c in plan.configs if c.online][-1]
+    return max(template.workload.agents, round(aps * template.workload.agents / template.online.aps))
+
+
 def _search(plan: Plan, runs: dict[str, Run], runs_root: Path, command: str, progress, fresh: bool, runner,
             done: dict) -> None:
     """Bisect each mode's highest APS under the SLO between the grid's best pass and first fail."""
@@ -102,10 +109,10 @@ def _search(plan: Plan, runs: dict[str, Run], runs_root: Path, command: str, pro
     for mode in plan.search.modes:
         pts = [(c.online.aps, online_mod.point(runs[c.key], mode)["meets_slo"]) for c in grid
                if c.key in runs and runs[c.key].has(mode)]
-        template = grid[-1]  # its agents per APS: the longest arrival span's
+        template = grid[-1]
 
         def evaluate(aps: float) -> bool:
-            agents = max(template.workload.agents, round(aps * template.workload.agents / template.online.aps))
+            agents = probe_agents(plan, aps)
             cfg = replace(template, key=f"online/{mode}/aps={aps:.3g}", modes=(mode,),
                           workload=replace(template.workload, agents=agents),
                           online=replace(template.online, aps=round(aps, 3)), params={"aps": round(aps, 3)})
