@@ -178,3 +178,14 @@ def test_the_cli_fails_in_one_line_before_bring_up(ckpt, args, words):
 ])
 def test_a_device_the_engines_cannot_compute_on_is_refused_before_bring_up(capsys, ckpt, tmp_path, device, words):
     refused(capsys, TOPO, "basic", ckpt, tmp_path, None, None, device, words=words)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--verify", "most"], "expected all or sample:N"),
+    (["--verify", "sample:2", "--fault", "snic-down@1"], "a fault run must check every request"),
+])
+def test_verify_option_is_checked_before_anything_runs(args, msg):
+    from tests.conftest import dualpath
+
+    p = dualpath("run", str(TOPO), *args, timeout=60)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -70,3 +70,33 @@ def test_honest_runs_match(ckpt):
     results = _runs(ckpt, modes=("layerwise",))
     verify(results, ckpt, run_geometry(ckpt), lambda _m: None, workers=2)
     assert results[0].verdicts["all_match"] and results[0].verdicts["tokens_match"] == 9
+
+
+def test_a_sample_checks_whole_trajectories_and_says_so(ckpt):
+    from testbed.experiments.ablation import verified_trajectories
+
+    results = _runs(ckpt, modes=("basic",))
+    bad = results[0].records[4]  # trajectory 1, turn 1
+    bad.tokens[0] = (bad.tokens[0] + 1) % 512
+    keep = verified_trajectories(range(3), 2, seed=5)
+    assert len(keep) == 2 and keep == verified_trajectories([2, 1, 0, 1], 2, seed=5)  # seeded, order-free
+    verify(results, ckpt, run_geometry(ckpt), lambda _m: None, workers=1, sample=2, seed=5)
+    v = results[0].verdicts
+    assert v["sample"] == {"trajectories": 2, "of": 3, "seed": 5}
+    assert v["requests"] == 6  # every turn of the two trajectories drawn
+    assert v["all_match"] is (1 not in keep)  # the wrong token is caught exactly when its trajectory is drawn
+
+
+@pytest.mark.parametrize("text, n", [("all", None), ("sample:4", 4)])
+def test_verify_option(text, n):
+    from testbed.experiments.ablation import parse_verify
+
+    assert parse_verify(text) == n
+
+
+@pytest.mark.parametrize("text", ["some", "sample:", "sample:0", "sample:x", "all:3"])
+def test_verify_option_refuses_what_it_cannot_read(text):
+    from testbed.experiments.ablation import parse_verify
+
+    with pytest.raises(ValueError, match="expected all or sample:N"):
+        parse_verify(text)

@@ -61,15 +61,34 @@ def run_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAM
             connector: Optional[str] = typer.Option(None, help="a team's KV connector, MODULE:CLASS or "
                                                     "FILE.py:CLASS (a ConnectorPlugin: docs/connectors.md); it "
                                                     "replaces the layerwise connector and the decode engine's, "
-                                                    "and every check applies; overrides the topology's")) -> None:
+                                                    "and every check applies; overrides the topology's"),
+            verify: str = typer.Option("all", help="all: every request's tokens and KV against a recomputation; "
+                                       "sample:N: every request of N trajectories drawn with --seed (each "
+                                       "mode's verdict says so)")) -> None:
     """Run multi-turn agentic trajectories through both KV read paths in each mode."""
     wopts = _workload_options(workload, trace, length_scale, append_scale, gen_scale, agents, trace_limit,
                               trace_window, offline, time_scale, seed, first_turn_tokens, aps, trajectories)
+    sample = _verify_opt(verify, fault)
     _need_root()
     _transport_opt(transport, mooncake=True)
     _run_e2e(topology, modes, trajectories, seed, checkpoint, out, " ".join(["dualpath", *sys.argv[1:]]),
              transport, quota_ms / 1000, first_turn_tokens, aps, model=model, gen_len=gen_len, compute=compute,
-             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts, connector=connector)
+             max_turns=max_turns, faults=fault or [], device=device, hosts=hosts, wopts=wopts, connector=connector,
+             verify_sample=sample)
+
+
+def _verify_opt(text: str, faults: Optional[list[str]]) -> Optional[int]:
+    """--verify as a sample size (None: all); a fault run checks every request, since a fault's
+    verdict is that no request anywhere came out wrong."""
+    from testbed.experiments.ablation import parse_verify
+
+    try:
+        sample = parse_verify(text)
+    except ValueError as e:
+        _fail(str(e))
+    if sample is not None and faults:
+        _fail("--verify sample:N with --fault: a fault run must check every request (nothing wrong anywhere)")
+    return sample
 
 
 # `dualpath demo --model smollm2`: real weights and real text through every mode that moves KV
@@ -282,7 +301,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
              aps: float = 0.0, model: Optional[str] = None, gen_len: Optional[int] = None,
              compute: Optional[str] = None, note=None, max_turns: Optional[int] = None, hosts: Optional[str] = None,
              faults: Optional[list[str]] = None, device: str = "cpu", scale: Optional[float] = None,
-             wopts=None, connector: Optional[str] = None) -> None:
+             wopts=None, connector: Optional[str] = None, verify_sample: Optional[int] = None) -> None:
     from dataclasses import replace
 
     from dualpath.workload import poisson_arrivals, with_arrivals
@@ -330,7 +349,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
         extra["connector"] = plugin[1]
     summary = run_to_folder(t, wl, ckpt, run_dir, command, mode_list, typer.echo, transport, quota_s, extra,
                             faults=tuple(specs), device=device, connector=plugin[0] if plugin else None,
-                            bring_up=_testbed_fabric)
+                            bring_up=_testbed_fabric, verify_sample=verify_sample)
     for line in e2e_lines(summary):
         typer.echo(line)
     if "rdma" in summary:

@@ -6,6 +6,7 @@ and kernel counters -> verification and accounting -> results/<experiment>/<run>
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -204,9 +205,31 @@ def _router(cluster: Cluster, fab: Fabric, geom: BlockGeometry, mode: str, clock
     return ServiceRouter(cluster, sched, CONDUCTOR_IP)
 
 
+def parse_verify(text: str) -> int | None:
+    """`--verify`: "all" (None) or "sample:N" (N trajectories); ValueError with the reason."""
+    if text == "all":
+        return None
+    kind, _, n = text.partition(":")
+    if kind != "sample" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"--verify {text!r}: expected all or sample:N with N >= 1 trajectories")
+    return int(n)
+
+
+def verified_trajectories(trajectories: Iterable[int], sample: int | None, seed: int) -> set[int]:
+    """The trajectories whose requests are checked: all, or `sample` of them drawn with `seed`
+    (a whole trajectory or none: each turn's recomputation extends the turn before)."""
+    ids = sorted(set(trajectories))
+    if sample is None or sample >= len(ids):
+        return set(ids)
+    return set(random.Random(seed).sample(ids, sample))
+
+
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
-           progress: Callable[[str], None], workers: int | None = None, device: str = "cpu") -> None:
-    """Every request's tokens and loaded KV against a full recomputation (oracle excepted).
+           progress: Callable[[str], None], workers: int | None = None, device: str = "cpu",
+           sample: int | None = None, seed: int = 0) -> None:
+    """Every request's tokens and loaded KV against a full recomputation (oracle excepted);
+    with `sample`, every request of that many trajectories drawn with `seed`, said in each
+    mode's verdict.
 
     Trajectories are independent, so they are recomputed in `workers` processes (default: one
     per core this process may use; the engines are gone by now), each with its own reference;
@@ -227,6 +250,9 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
             if not r.error:
                 per_traj.setdefault(r.trajectory, []).append(
                     ((mi, ri), (r.prompt, r.gen_len, r.tokens, r.n_hit, r.pe_layer_hashes, r.de_layer_hashes)))
+    every = len(per_traj)
+    keep = verified_trajectories(per_traj, sample, seed)
+    per_traj = {t: v for t, v in per_traj.items() if t in keep}
     if workers is None and device == "cuda":
         workers = 1  # one GPU: more processes would only queue on it, each with its own context
     if workers is None:
@@ -235,7 +261,9 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
     checked = [res.mode for res in results if res.mode != "oracle"]
     if checked:
         progress(f"  verifying {', '.join(checked)} against recomputation "
-                 f"({sum(len(v) for v in per_traj.values())} requests, {workers} process{'es' * (workers > 1)})")
+                 f"({sum(len(v) for v in per_traj.values())} requests"
+                 + (f" of {len(per_traj)} of the {every} trajectories, a sample drawn with seed {seed}"
+                    if len(per_traj) < every else "") + f", {workers} process{'es' * (workers > 1)})")
     verdicts: dict[tuple[int, int], Any] = {}
     trajs = sorted(per_traj, key=lambda t: -len(per_traj[t]))  # the longest first: the pool ends together
     if workers == 1:
@@ -255,7 +283,10 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
         if res.mode == "oracle":
             res.verdicts = {"tokens": "n/a (oracle moves no KV)"}
             continue
-        res.verdicts = _tally(res, {ri: verdicts[(mi, ri)] for ri, r in enumerate(res.records) if not r.error})
+        res.verdicts = _tally(res, {ri: verdicts[(mi, ri)] for ri, r in enumerate(res.records)
+                                    if not r.error and (mi, ri) in verdicts})
+        if len(per_traj) < every:
+            res.verdicts["sample"] = {"trajectories": len(per_traj), "of": every, "seed": seed}
 
 
 def _tally(res: ModeResult, verdicts: dict[int, Any]) -> dict[str, Any]:
@@ -301,7 +332,8 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
             buffer_bytes: int = 256 << 20, hbm_bytes: int = 128 << 20, block_size: int = RUN_BLOCK_TOKENS,
             progress: Callable[[str], None] = print, transport: str = "tcp",
             quota_s: float = 0.3, faults: tuple[FaultSpec, ...] = (), seed: int = 0,
-            device: str = "cpu", connector: ConnectorRef | None = None) -> list[ModeResult]:
+            device: str = "cpu", connector: ConnectorRef | None = None,
+            verify_sample: int | None = None) -> list[ModeResult]:
     """Every mode on one cluster; with `faults`, every mode on a fresh cluster of its own (a
     fault kills processes and fills disks: the next mode must not inherit that), each mode
     getting every fault. The engines, and the recomputation that checks them, compute on
@@ -343,7 +375,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
             with cluster_for(run_dir / mode) as cluster:
                 up(cluster)
                 one(cluster, mode)
-    verify(results, checkpoint, geom, progress, device=device)
+    verify(results, checkpoint, geom, progress, device=device, sample=verify_sample, seed=seed)
     return results
 
 
@@ -351,7 +383,8 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
                   quota_s: float = 0.3, extra: dict[str, Any] | None = None,
                   faults: tuple[FaultSpec, ...] = (), device: str = "cpu",
-                  connector: ConnectorRef | None = None, bring_up: Callable[..., Any] | None = None) -> dict[str, Any]:
+                  connector: ConnectorRef | None = None, bring_up: Callable[..., Any] | None = None,
+                  verify_sample: int | None = None) -> dict[str, Any]:
     """One `dualpath run`: bring the topology up (`bring_up(topo, transport, shares)`, a context
     manager giving the fabric: `dualpath run` passes a Testbed's; by default
     testbed.fabric.access.claimed_fabric), run every mode (each with `faults`, seeded by the
@@ -374,7 +407,8 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
         results = run_e2e(fab, workload, checkpoint, scratch, modes=modes, progress=progress, transport=transport,
                           quota_s=quota_s, buffer_bytes=int(spec.dram_buffer_gib * 2**30),
                           hbm_bytes=int(spec.hbm_gib_per_engine * 2**30), faults=faults,
-                          seed=workload.config.seed, device=device, connector=connector)
+                          seed=workload.config.seed, device=device, connector=connector,
+                          verify_sample=verify_sample)
     summary = summarize(results, workload, geom, topo)
     if faults:
         summary["fault_injection"] = {

@@ -86,6 +86,11 @@ def e2e_lines(summary: dict) -> list[str]:
     if summary.get("device", "cpu") != "cpu":
         lines.append(f"engines computed on {summary['device']}: weights and KV in GPU memory, staged through "
                      f"page-locked host memory; checked against a recomputation on {summary['device']}")
+    sampled = next((m["verification"]["sample"] for m in summary["modes"].values()
+                    if "sample" in m["verification"]), None)
+    if sampled:
+        lines.append(f"verified a sample: every request of {sampled['trajectories']} of the {sampled['of']} "
+                     f"trajectories, drawn with seed {sampled['seed']} (--verify sample:N)")
     lines.append(f"{'mode':<14} {'reqs':>4} {'err':>3} {'tokens=recompute':>16} {'KV bit-exact (PE/DE)':>21} "
                  f"{'hit':>5} {'hit KV in HBM':>13} {'NIC bytes ok':>12}")
     for mode, m in summary["modes"].items():
