@@ -50,10 +50,23 @@ def invocations(text: str) -> list[tuple[str, set[str]]]:
     return found
 
 
+def _options(cmd) -> set[str]:
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
 def cli_options() -> dict[str, set[str]]:
+    """Each command's options; a group's are its subcommands' (`dualpath profile run|model`), and a
+    subcommand that hands what it does not know to `dualpath run` (profile run) has run's too."""
     group = typer.main.get_command(app)
-    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
-            for name, cmd in group.commands.items()}
+    out = {}
+    for name, cmd in group.commands.items():
+        opts = _options(cmd)
+        for sub in getattr(cmd, "commands", {}).values():
+            opts |= _options(sub)
+            if sub.context_settings.get("ignore_unknown_options"):
+                opts |= _options(group.commands["run"])
+        out[name] = opts | {"--help"}
+    return out
 
 
 def test_the_parser_finds_commands_and_options_in_code_only():

@@ -2,7 +2,7 @@
 
 When time is the CPU's (`compute: cpu`), a prefill engine fits the compute-quota cost model on
 its own layer loop at start (same model file, one thread) and measures its prefill throughput,
-from which the scheduler derives beta. `dualpath profile` (testbed/calibrate/profile.py) runs the same
+from which the scheduler derives beta. `dualpath profile model` (testbed/calibrate/profile.py) runs the same
 fit with held-out checks.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`dualpath profile`: fit the compute-quota cost model on the real engine code.
+"""`dualpath profile model`: fit the compute-quota cost model on the real engine code.
 
 Times the prefill layer loop the engines run (same model file, one thread, as
 in the engine processes) over a grid of (cached, new) token counts, fits the

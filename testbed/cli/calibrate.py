@@ -1,4 +1,4 @@
-"""`check`, `bench` and `profile`: the emulation measured against real tools."""
+"""`check`, `bench` and `profile`: the emulation measured against real tools, and its own cost."""
 from __future__ import annotations
 
 import json
@@ -184,10 +184,62 @@ def _bench_lines(what: str, res: dict, mooncake: bool) -> list[str]:
     return bench_lines(what, res)
 
 
-@app.command("profile")
-def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint directory (default: the demo model)"),
-                quota: float = typer.Option(0.3, min=0.001, help="compute quota, seconds of attention per forward"),
-                out: Path = typer.Option(Path("results/profile"), help="where the run's folder goes")) -> None:
+profile_app = typer.Typer(no_args_is_help=True, help="Where time and CPU go: the engine's cost model "
+                          "(`model`), a run's CPU by process and activity against its floor (`run`).")
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile_run(ctx: typer.Context,
+                topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
+                out: Path = typer.Option(Path("results/profile"), help="the profile goes to OUT/run/<run-id>/"),
+                rate: int = typer.Option(10, min=1, max=500, help="py-spy's samples per second per process "
+                                         "(its own CPU grows with it: about 0.5 of a core at 50 here)"),
+                checkout: Optional[Path] = typer.Option(None, help="profile the code of this checkout (another "
+                                                        "version, e.g. a git worktree; default: this one)"),
+                floor: bool = typer.Option(True, "--floor/--no-floor", help="measure the physical floor after the "
+                                           "run: its tokens through the bare model, iperf3's CPU per GB"),
+                iperf_s: float = typer.Option(3.0, min=0.5, max=30.0, help="seconds of each floor iperf3 flow")) -> None:
+    """A `dualpath run` under a sampling profiler: CPU seconds per emulated second by process role
+    and activity, beside the floor. Every option not named here goes to `dualpath run`."""
+    from testbed.calibrate.run_profile import ProfileError, profile
+    from testbed.measure.cpu_profile import report_lines
+    from testbed.measure.plots import cpu_profile_bars
+
+    _need_root()
+    _topology(topology)  # a bad file: one line, before anything starts
+    code = (checkout or Path(__file__).resolve().parents[2]).resolve()
+    if not (code / "testbed" / "cli" / "__main__.py").exists():
+        _fail(f"--checkout {code}: not a checkout of the testbed (no testbed/cli/__main__.py)")
+    if "--out" in ctx.args:
+        _fail("profile run: --out is the profile's; the run it watches goes to OUT/run/<run-id>/run/")
+    run_dir = out / "run" / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        res = profile(topology.resolve(), list(ctx.args), run_dir, checkout=code, rate=rate, floor=floor,
+                      iperf_s=iperf_s, progress=typer.echo)
+    except ProfileError as e:
+        _fail(str(e), code=1)
+    command = " ".join(["dualpath", *sys.argv[1:]])
+    res = {"command": command, **res}
+    (run_dir / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
+    lines = report_lines(res)
+    fl = res.get("floor") or {}
+    png = cpu_profile_bars(res["by_role_and_activity"], res["emulated_s"] or 1.0, fl.get("cpu_s"),
+                           run_dir / "cpu.png", f"Produced by `{command}`; activities from py-spy's samples "
+                           f"at {rate} Hz, totals from each process's counters and the kernel's softirq time.")
+    (run_dir / "report.md").write_text(f"# dualpath profile run\n\nProduced by `{command}` on the code of "
+                                       f"{code}.\n\n![CPU by role and activity]({png})\n\n```\n"
+                                       + "\n".join(lines) + "\n```\n\nStacks (py-spy's collapsed format, for "
+                                       "speedscope or flamegraph.pl): stacks.txt\n")
+    for line in lines:
+        typer.echo(line)
+    typer.echo(f"results: {run_dir}/summary.json, report.md, cpu.png, stacks.txt")
+
+
+@profile_app.command("model")
+def profile_model(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint directory (default: the demo model)"),
+                  quota: float = typer.Option(0.3, min=0.001, help="compute quota, seconds of attention per forward"),
+                  out: Path = typer.Option(Path("results/profile"), help="the fit goes to OUT/model/<run-id>/")) -> None:
     """Fit the compute-quota cost model on the engine's own prefill loop; derive beta."""
     from dualpath.model import CheckpointError
     from testbed.calibrate.profile import profile
@@ -197,7 +249,7 @@ def profile_cmd(checkpoint: Optional[Path] = typer.Option(None, help="checkpoint
         res = profile(ckpt, quota_s=quota)
     except CheckpointError as e:
         _fail(str(e))
-    run_dir = out / time.strftime("%Y%m%d-%H%M%S")
+    run_dir = out / "model" / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     command = " ".join(["dualpath", *sys.argv[1:]])
     (run_dir / "summary.json").write_text(json.dumps({"command": command, **res}, indent=2) + "\n")

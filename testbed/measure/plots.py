@@ -180,3 +180,28 @@ def is_png(path: Path, min_bytes: int = 2000) -> bool:
     except OSError:
         return False
     return head == PNG_SIGNATURE and p.stat().st_size >= min_bytes
+
+
+def cpu_profile_bars(by_role_and_activity: dict[str, dict[str, float]], emulated_s: float,
+                     floor_s: float | None, path: Path, caption_text: str) -> str:
+    """`dualpath profile run`: CPU seconds per emulated second, one bar per process role split by
+    activity, and the run's physical floor as a dashed line."""
+    roles = sorted(by_role_and_activity, key=lambda r: -sum(by_role_and_activity[r].values()))
+    acts = sorted({a for row in by_role_and_activity.values() for a in row},
+                  key=lambda a: -sum(row.get(a, 0.0) for row in by_role_and_activity.values()))
+    fig, ax = new_figure("Where the run's CPU goes", "CPU seconds per emulated second", "",
+                         size=(7.2, 0.45 * len(roles) + 2.2))
+    ax.grid(True, axis="x", alpha=0.3)
+    cmap = plt.get_cmap("tab20")
+    left = [0.0] * len(roles)
+    for i, act in enumerate(acts):
+        widths = [by_role_and_activity[r].get(act, 0.0) / emulated_s for r in roles]
+        ax.barh(roles, widths, left=left, color=cmap(i % 20), label=act)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    if floor_s:
+        ax.axvline(floor_s / emulated_s, color=PAPER_COLOR, linestyle="--", linewidth=1,
+                   label=f"the whole run's physical floor ({floor_s / emulated_s:.3g})")
+    legend_below(ax, ncol=3)
+    caption(fig, caption_text)
+    return save(fig, path).name
