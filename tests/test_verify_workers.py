@@ -100,3 +100,28 @@ def test_verify_option_refuses_what_it_cannot_read(text):
 
     with pytest.raises(ValueError, match="expected all or sample:N"):
         parse_verify(text)
+
+
+def test_recomputing_many_requests_together_is_bit_exact_with_each_alone(ckpt):
+    import torch
+
+    from testbed.cluster.verify import Reference
+
+    geom = run_geometry(ckpt)
+    prompts = [[7 + (i * j) % 300 for j in range(n)] for i, n in enumerate((5, 33, 64, 90))]
+    together, alone = Reference(str(ckpt), geom), Reference(str(ckpt), geom)
+    together.run_many([(p, 6) for p in prompts] + [(prompts[0], 6)])  # a repeat is computed once
+    for p in prompts:
+        a, b = together._cache[(tuple(p), 6)], alone.run(p, 6)
+        assert a[0] == b[0] and len(a[0]) == 6
+        assert all(torch.equal(x, y) for (k1, v1), (k2, v2) in zip(a[1], b[1]) for x, y in ((k1, k2), (v1, v2)))
+
+
+def test_trajectories_are_shared_out_by_requests():
+    from testbed.experiments.ablation import share_out
+
+    per = {t: [((0, i), ("args", t, i)) for i in range(n)] for t, n in {1: 5, 2: 4, 3: 3, 4: 2, 5: 1}.items()}
+    groups = share_out(per, 2)
+    assert [sorted(g) for g in groups] == [[1, 4, 5], [2, 3]]  # 8 and 7 requests
+    assert groups[0][1] == [("args", 1, i) for i in range(5)]  # in turn order, keys dropped
+    assert share_out(per, 9) == [g for g in share_out(per, 9) if g] and len(share_out(per, 9)) == 5

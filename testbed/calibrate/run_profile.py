@@ -230,35 +230,43 @@ def kv_bytes_by_kind(summary: dict[str, Any]) -> dict[str, int]:
 
 
 def model_floor(run_dir: Path, checkpoint: str, device: str = "cpu") -> tuple[float, dict[str, int]]:
-    """The run's tokens through the bare model, single-threaded like the engines: per mode and
-    trajectory, turn by turn, each prompt's tokens past the trajectory's own context prefilled
-    on that context and its output decoded. Token ids are stand-ins (the records keep lengths,
-    not prompts); the model's cost does not depend on which ids they are. Returns (CPU s, tokens)."""
+    """The run's tokens through the bare model, single-threaded like the engines, the cheapest
+    way this code has: per mode, the trajectories in lockstep (testbed.cluster.verify.Reference,
+    the verification's own recomputation), each turn's new tokens prefilled on its trajectory's
+    context and every turn's output decoded in batched steps. Token ids are stand-ins (the records
+    keep lengths, not prompts); the model's cost does not depend on which ids they are.
+    Returns (CPU s, tokens)."""
     import torch
 
-    from dualpath.model import Transformer
-    from dualpath.model.device import resolve_device
+    from testbed.cluster.verify import Reference
+    from testbed.cluster.runclock import run_geometry
 
     torch.set_num_threads(1)
-    model = Transformer.from_pretrained(checkpoint, device=resolve_device(device))
     recs = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines() if x.strip()]
     recs = [r for r in recs if r["trajectory"] >= 0 and not r.get("error")]
-    recs.sort(key=lambda r: (r["mode"], r["trajectory"], r["turn"]))
-    vocab = model.config.vocab_size
+    geom = run_geometry(Path(checkpoint))
     prefilled = decoded = 0
-    t0 = time.process_time()
-    past, ctx, key = None, 0, None
-    for r in recs:
-        if (r["mode"], r["trajectory"]) != key:
-            past, ctx, key = None, 0, (r["mode"], r["trajectory"])
-        if r["n_prompt"] < ctx:  # not an extension of the context before: start again
-            past, ctx = None, 0
-        new = r["n_prompt"] - ctx
-        res = model.generate([(7 * i + r["turn"]) % vocab for i in range(new)], r["gen_len"], past_kv=past)
-        past, ctx = res.kv, r["n_prompt"] + r["gen_len"] - 1
-        prefilled += new
-        decoded += r["gen_len"]
-    return time.process_time() - t0, {"prefilled": prefilled, "decoded": decoded, "requests": len(recs)}
+    cpu = 0.0
+    for mode in sorted({r["mode"] for r in recs}):
+        ref = Reference(checkpoint, geom, device)  # a fresh one: every mode computed its requests
+        turns: dict[int, list[dict]] = {}
+        for r in sorted((r for r in recs if r["mode"] == mode), key=lambda r: (r["trajectory"], r["turn"])):
+            turns.setdefault(r["trajectory"], []).append(r)
+        context: dict[int, list[int]] = {t: [] for t in turns}
+        t0 = time.process_time()
+        for i in range(max(map(len, turns.values()), default=0)):
+            now = {t: rs[i] for t, rs in turns.items() if i < len(rs)}
+            items = []
+            for t, r in now.items():
+                ctx = context[t] if r["n_prompt"] >= len(context[t]) else []
+                new = r["n_prompt"] - len(ctx)
+                items.append((ctx + [(7 * k + i) % ref.model.config.vocab_size for k in range(new)], r["gen_len"]))
+                prefilled, decoded = prefilled + new, decoded + r["gen_len"]
+            ref.run_many(items)
+            for (t, _), (prompt, gen) in zip(now.items(), items):
+                context[t] = prompt + ref._cache[(tuple(prompt), gen)][0][:-1]
+        cpu += time.process_time() - t0
+    return cpu, {"prefilled": prefilled, "decoded": decoded, "requests": len(recs)}
 
 
 def kernel_cost(topology: Path, seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -317,7 +325,8 @@ def profile(topology: Path, run_args: list[str], out: Path, *, checkout: Path, r
     fl = None
     if floor:
         progress("floor: the run's tokens through the bare model ...")
-        model_s, tokens = model_floor(m["run_dir"], summary["checkpoint"])
+        ckpt = Path(summary["checkpoint"])  # shown relative to the checkout that ran it
+        model_s, tokens = model_floor(m["run_dir"], str(ckpt if ckpt.is_absolute() else checkout / ckpt))
         progress(f"  {model_s:.2f} CPU s for {tokens['prefilled']} prefilled and {tokens['decoded']} decoded tokens")
         progress("floor: iperf3 on the topology's KV links ...")
         cost = kernel_cost(topology, iperf_s, progress)

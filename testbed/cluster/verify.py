@@ -70,16 +70,42 @@ class Reference:
         return best, self._contexts.get(best)
 
     def run(self, prompt: list[int], gen_len: int) -> tuple[list[int], object]:
-        key = (tuple(prompt), gen_len)
-        if key not in self._cache:
+        self.run_many([(prompt, gen_len)])
+        return self._cache[(tuple(prompt), gen_len)]
+
+    def run_many(self, items: list[tuple[list[int], int]]) -> None:
+        """Recompute every (prompt, gen_len) not seen yet: each prompt prefilled alone after its
+        longest computed prefix, then all of them decoded together, one batched step per token
+        (`decode_step` is bit-identical to decoding each alone; tests/test_model.py). Requests of
+        different trajectories share the steps; the per-step overhead of a one-token decode was
+        most of the recomputation's CPU."""
+        from dualpath.model import DecodeCache
+        from dualpath.model.transformer import concat_kv
+
+        todo, live = [], []
+        for prompt, gen_len in items:
+            key = (tuple(prompt), gen_len)
+            if key in self._cache or key in (k for k, _, _ in todo):
+                continue
             done, past = self._longest_prefix(key[0])
-            res = self.model.generate(prompt[len(done):], gen_len, past_kv=past)
-            self._cache[key] = (res.tokens, res.kv)
+            res = self.model.prefill(prompt[len(done):], past, last_only=True)
+            out = [int(res.logits[-1].argmax())]
+            todo.append((key, done, out))
+            live.append(DecodeCache(self.model, concat_kv(past, res.new_kv)))
+        caches = dict(zip((k for k, _, _ in todo), live))
+        while True:
+            step = [(out, caches[key]) for key, _, out in todo if len(out) < key[1]]
+            if not step:
+                break
+            for (out, _), tok in zip(step, self.model.decode_step([o[-1] for o, _ in step], [c for _, c in step])):
+                out.append(tok)
+        for key, done, out in todo:
+            kv = [(k.contiguous(), v.contiguous()) for k, v in caches[key].kv()]
+            self._cache[key] = (out, kv)
             self._contexts.pop(done, None)  # extended: the longer context replaces it
-            self._contexts[tuple(prompt) + tuple(res.tokens[:-1])] = res.kv
-            while len(self._contexts) > self.MAX_CONTEXTS:
-                self._contexts.pop(next(iter(self._contexts)))
-        return self._cache[key]
+            self._contexts[key[0] + tuple(out[:-1])] = kv
+        while len(self._contexts) > self.MAX_CONTEXTS:
+            self._contexts.pop(next(iter(self._contexts)))
 
     def check(self, prompt: list[int], gen_len: int, tokens: list[int], n_hit: int,
               pe_hashes: list[str], de_hashes: list[str]) -> Verdict:
@@ -94,11 +120,19 @@ class Reference:
 _REFERENCES: dict[tuple[str, str], Reference] = {}  # per process: one model per checkpoint and device
 
 
-def check_trajectory(checkpoint: str, geom: BlockGeometry, requests: list[tuple], device: str = "cpu"
-                     ) -> list[Verdict]:
-    """One trajectory's requests (`Reference.check`'s arguments, in turn order, every mode's in a
-    row) against this process's reference on `device`: a worker of `testbed.experiments.ablation.verify`."""
+def check_trajectories(checkpoint: str, geom: BlockGeometry, trajectories: dict[int, list[tuple]],
+                       device: str = "cpu") -> dict[int, list[Verdict]]:
+    """Each trajectory's requests (`Reference.check`'s arguments, in turn order, every mode's in a
+    row) against this process's reference on `device`: a worker of `testbed.experiments.ablation.verify`.
+    The trajectories go in lockstep, each one's next request in one `run_many`, so their decode
+    steps are batched; within a trajectory every turn still extends the one before."""
     ref = _REFERENCES.get((checkpoint, device))
     if ref is None or ref.geom != geom:
         ref = _REFERENCES[(checkpoint, device)] = Reference(checkpoint, geom, device)
-    return [ref.check(*args) for args in requests]
+    out: dict[int, list[Verdict]] = {t: [] for t in trajectories}
+    for i in range(max((len(r) for r in trajectories.values()), default=0)):
+        now = {t: reqs[i] for t, reqs in trajectories.items() if i < len(reqs)}
+        ref.run_many([(args[0], args[1]) for args in now.values()])
+        for t, args in now.items():
+            out[t].append(ref.check(*args))
+    return out

@@ -224,6 +224,18 @@ def verified_trajectories(trajectories: Iterable[int], sample: int | None, seed:
     return set(random.Random(seed).sample(ids, sample))
 
 
+def share_out(per_traj: dict[int, list[tuple]], workers: int) -> list[dict[int, list[tuple]]]:
+    """Trajectories into `workers` groups of about equal requests (the longest first, each to the
+    lightest group), each trajectory's requests as `check_trajectories` takes them."""
+    groups: list[dict[int, list[tuple]]] = [{} for _ in range(workers)]
+    load = [0] * workers
+    for tid in sorted(per_traj, key=lambda t: (-len(per_traj[t]), t)):
+        i = load.index(min(load))
+        groups[i][tid] = [a for _, a in per_traj[tid]]
+        load[i] += len(per_traj[tid])
+    return [g for g in groups if g]
+
+
 def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
            progress: Callable[[str], None], workers: int | None = None, device: str = "cpu",
            sample: int | None = None, seed: int = 0) -> None:
@@ -240,7 +252,7 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
     """
     import os
 
-    from testbed.cluster.verify import check_trajectory
+    from testbed.cluster.verify import check_trajectories
 
     per_traj: dict[int, list[tuple[tuple[int, int], tuple]]] = {}
     for mi, res in enumerate(results):
@@ -265,20 +277,19 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
                  + (f" of {len(per_traj)} of the {every} trajectories, a sample drawn with seed {seed}"
                     if len(per_traj) < every else "") + f", {workers} process{'es' * (workers > 1)})")
     verdicts: dict[tuple[int, int], Any] = {}
-    trajs = sorted(per_traj, key=lambda t: -len(per_traj[t]))  # the longest first: the pool ends together
+    groups = share_out(per_traj, workers)  # one batch of trajectories per process, in lockstep
     if workers == 1:
-        for tid in trajs:
-            keys, args = zip(*per_traj[tid])
-            verdicts.update(zip(keys, check_trajectory(str(checkpoint), geom, list(args), device)))
+        done = [check_trajectories(str(checkpoint), geom, groups[0], device)]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futs = {tid: pool.submit(check_trajectory, str(checkpoint), geom, [a for _, a in per_traj[tid]], device)
-                    for tid in trajs}
-            for tid, fut in futs.items():
-                verdicts.update(zip((k for k, _ in per_traj[tid]), fut.result()))
+            futs = [pool.submit(check_trajectories, str(checkpoint), geom, g, device) for g in groups]
+            done = [f.result() for f in futs]
+    for got in done:
+        for tid, vs in got.items():
+            verdicts.update(zip((k for k, _ in per_traj[tid]), vs))
     for mi, res in enumerate(results):
         if res.mode == "oracle":
             res.verdicts = {"tokens": "n/a (oracle moves no KV)"}
