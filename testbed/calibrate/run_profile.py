@@ -156,6 +156,7 @@ def run_under_profiler(run_args: list[str], checkout: Path, out: Path, rate: int
                              text=True, start_new_session=True)
     sampler = TreeSampler(child.pid).start()
     windows: list[tuple[str, str, dict[str, float]]] = []  # (mode, "start" or "end", snapshot)
+    verifying: float | None = None
     time.sleep(0.5)  # py-spy needs the interpreter up before it can read its stacks
     spy = _spy(child.pid, rate, out / "stacks.txt", out / "py-spy.log")
     try:
@@ -166,6 +167,9 @@ def run_under_profiler(run_args: list[str], checkout: Path, out: Path, rate: int
                 mark = mode_mark(line)
                 if mark is not None:  # the run says when a mode starts and ends: its window's CPU
                     windows.append((*mark, sampler.snapshot()))
+                elif line.startswith("  verifying ") and verifying is None:
+                    verifying = time.monotonic()  # from here to the run's end: its verification
+        t_out = time.monotonic()
         rc = child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGINT)  # the run cleans up after itself on SIGINT
@@ -179,7 +183,8 @@ def run_under_profiler(run_args: list[str], checkout: Path, out: Path, rate: int
     return {"rc": rc, "wall_s": wall, "busy_s": busy_s(cpu0, cpu1),
             "kernel_s": sum(cpu1[k] - cpu0[k] for k in ("irq", "softirq")) / _TICK,
             "profiler_s": own + spy_cpu, "py_spy_s": spy_cpu, "sampler_s": own, "processes": sampler.processes(),
-            "run_dir": _newest_run(run_out), "stacks": out / "stacks.txt", "windows": windows}
+            "run_dir": _newest_run(run_out), "stacks": out / "stacks.txt", "windows": windows,
+            "verification_wall_s": round(t_out - verifying, 2) if verifying is not None else None}
 
 
 def _wait_cpu(proc: subprocess.Popen, timeout_s: float) -> float:
@@ -339,6 +344,6 @@ def profile(topology: Path, run_args: list[str], out: Path, *, checkout: Path, r
     res["in_modes"] = in_modes(m["windows"], {k: v.get("jct_s") or 0.0 for k, v in summary.get("modes", {}).items()})
     res.update({"run": str(m["run_dir"]), "checkout": str(checkout), "faithful": summary.get("faithful"),
                 "dilation": summary.get("dilation"), "modes": sorted(summary.get("modes", {})),
-                "rate_hz": rate, "profiler": {"py_spy_cpu_s": round(m["py_spy_s"], 2),
+                "verification_wall_s": m["verification_wall_s"], "rate_hz": rate, "profiler": {"py_spy_cpu_s": round(m["py_spy_s"], 2),
                                               "sampler_cpu_s": round(m["sampler_s"], 2)}})
     return res

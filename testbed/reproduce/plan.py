@@ -50,10 +50,15 @@ IO_1P1D_OVERRIDES = {"scale": 0.0016}
 # Calibration of the estimate (see the module docstring).
 SETUP_S = 15.0  # cluster up, checkpoint load, store warm
 MODE_OVERHEAD_S = 2.0  # a mode's warm-up and drain
-# Recomputing a request (tokens and KV) costs about this per prompt token: the old runs in
-# results/e2e took 70 s beyond their JCTs for 936 requests of ~660 tokens (0.06 s each), and
-# 142 s for 702 of ~1,700 tokens (0.2 s each).
-VERIFY_S_PER_TOKEN = 9e-5
+# Verification (testbed/cluster/verify.py): the recomputation runs once whatever the modes (their
+# prompts are the same, and each is computed once), its trajectories in lockstep; each mode then
+# costs its requests' KV hashes and comparisons. Fitted on two profiled runs of 1p1d-io's 24
+# agents (237 requests, 158,467 prompt tokens; `dualpath profile run`, verification_wall_s):
+# 5.7 s with one mode checked, 8.3 s with four. (Before the lockstep recomputation: 9e-5 s per
+# prompt token per mode, 14 s and 57 s for those two.)
+VERIFY_START_S = 1.5  # the worker processes' start: torch, the model
+VERIFY_S_PER_TOKEN = 2.1e-5  # per prompt token, once
+VERIFY_S_PER_CHECK = 3.6e-3  # per request of each mode checked
 READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD", "dualpath-split": "PD",
            "oracle": "",
            # the isolation run's conditions: each an oracle pass of the workload (testbed/experiments/isolation.py)
@@ -290,7 +295,9 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
                       else "decode engines" if t == de_work else
                       "arrivals" if cfg.online or wn["span_s"] else "the longest agent's chain of turns")
         per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
-    verify = VERIFY_S_PER_TOKEN * wn["prompt_tokens"] * sum(READERS.get(m, "P") != "" for m in cfg.modes)
+    checked = sum(READERS.get(m, "P") != "" for m in cfg.modes)
+    verify = (VERIFY_START_S + VERIFY_S_PER_TOKEN * wn["prompt_tokens"]
+              + VERIFY_S_PER_CHECK * wn["requests"] * checked) if checked else 0.0
     total = SETUP_S + sum(per_mode.values()) + verify
     return {"per_mode_s": per_mode, "limited_by": limited, "verify_s": round(verify, 1), "total_s": round(total, 1),
             "hit_bytes": hit_bytes, "requests": wn["requests"], "dilation": k}
