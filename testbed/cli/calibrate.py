@@ -262,3 +262,43 @@ def profile_model(checkpoint: Optional[Path] = typer.Option(None, help="checkpoi
     typer.echo(f"a request of {ex['new']} new tokens after {ex['cached']} cached overflows the {quota:g} s quota: "
                f"its first chunk is {ex['largest_chunk_in_quota']} tokens")
     typer.echo(f"results: {run_dir}/summary.json")
+
+
+calibrate_app = typer.Typer(no_args_is_help=True, help="Settings found by measurement: the smallest faithful "
+                            "dilation (`scale`).")
+app.add_typer(calibrate_app, name="calibrate")
+
+
+@calibrate_app.command("scale")
+def calibrate_scale_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
+                        modes: str = typer.Option("dualpath", help="comma-separated modes each probe runs (dualpath: "
+                                                  "the mode whose engines overlap most)"),
+                        agents: int = typer.Option(24, min=1, max=1000, help="the demo workload's agents per probe"),
+                        seed: int = typer.Option(0, help="workload seed"),
+                        margin: float = typer.Option(0.25, min=0.0, max=4.0, help="recommend the FAITHFUL edge / "
+                                                     "(1 + margin)"),
+                        max_probes: int = typer.Option(6, min=1, max=20, help="runs at most"),
+                        rel_tol: float = typer.Option(0.1, min=0.01, max=1.0, help="stop when the bracket is this "
+                                                      "close"),
+                        out: Path = typer.Option(Path("results/calibrate/scale"), help="the search goes to "
+                                                 "OUT/<run-id>/")) -> None:
+    """The largest link scale (smallest dilation) at which the topology's run stays FAITHFUL, less a margin."""
+    from testbed.calibrate.scale import calibrate_scale, report_lines, write
+    from testbed.cluster.conductor import MODES
+
+    _need_root()
+    _topology(topology)
+    mode_list = tuple(m for m in modes.split(",") if m)
+    bad = [m for m in mode_list if m not in MODES]
+    if not mode_list or bad:
+        _fail(f"--modes {modes!r}: expected some of {', '.join(MODES)}")
+    run_dir = out / time.strftime("%Y%m%d-%H%M%S")
+    res = calibrate_scale(topology, run_dir, modes=mode_list, agents=agents, seed=seed, margin=margin,
+                          max_probes=max_probes, rel_tol=rel_tol, command=" ".join(["dualpath", *sys.argv[1:]]),
+                          progress=typer.echo)
+    write(res, run_dir)
+    for line in report_lines(res):
+        typer.echo(line)
+    typer.echo(f"results: {run_dir}/summary.json, report.md")
+    if not res["recommended"]["scale"]:
+        raise typer.Exit(1)
