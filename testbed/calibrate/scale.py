@@ -87,7 +87,9 @@ def calibrate_scale(topology: Path, out: Path, *, modes: tuple[str, ...] = ("dua
     rec = recommend(pts, margin)
     if rec["scale"]:
         rec["dilation"] = round(probe_config(topology, rec["scale"], modes, agents, seed).topology_obj().dilation(kv), 4)
-    return {"command": command, "topology": str(topology), "file_scale": start,
+    from testbed.paths import code_version
+
+    return {"command": command, "code": code_version(), "topology": str(topology), "file_scale": start,
             "file_dilation": round(load_topology(topology).dilation(kv), 4), "modes": list(modes),
             "agents": agents, "seed": seed, "probes": probes, "recommended": rec}
 
