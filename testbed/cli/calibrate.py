@@ -209,8 +209,8 @@ def profile_run(ctx: typer.Context,
     _need_root()
     _topology(topology)  # a bad file: one line, before anything starts
     code = (checkout or Path(__file__).resolve().parents[2]).resolve()
-    if not (code / "testbed" / "cli" / "__main__.py").exists():
-        _fail(f"--checkout {code}: not a checkout of the testbed (no testbed/cli/__main__.py)")
+    if not any((code / "testbed" / p).exists() for p in ("cli/__main__.py", "cli.py")):  # cli.py: before 2026-12-06
+        _fail(f"--checkout {code}: not a checkout of the testbed (no testbed/cli)")
     if "--out" in ctx.args:
         _fail("profile run: --out is the profile's; the run it watches goes to OUT/run/<run-id>/run/")
     run_dir = out / "run" / time.strftime("%Y%m%d-%H%M%S")
