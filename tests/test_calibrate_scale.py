@@ -1,7 +1,7 @@
 """`dualpath calibrate scale`'s search and recommendation (a stand-in verdict: no testbed)."""
 import pytest
 
-from testbed.calibrate.scale import GROW, recommend, search_scale
+from testbed.reproduce.calibrate_scale import GROW, recommend, search_scale
 
 
 def verdict_up_to(edge):

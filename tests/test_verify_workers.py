@@ -125,3 +125,9 @@ def test_trajectories_are_shared_out_by_requests():
     assert [sorted(g) for g in groups] == [[1, 4, 5], [2, 3]]  # 8 and 7 requests
     assert groups[0][1] == [("args", 1, i) for i in range(5)]  # in turn order, keys dropped
     assert share_out(per, 9) == [g for g in share_out(per, 9) if g] and len(share_out(per, 9)) == 5
+
+
+def test_a_run_of_the_oracle_alone_has_nothing_to_recompute(ckpt):
+    results = _runs(ckpt, modes=("oracle",))
+    verify(results, ckpt, run_geometry(ckpt), lambda _m: None)
+    assert results[0].verdicts == {"tokens": "n/a (oracle moves no KV)"}

@@ -278,12 +278,12 @@ def kernel_cost(topology: Path, seconds: float, progress: Callable[[str], None])
     """iperf3's machine-wide CPU per GB through the topology's KV links (a CNIC in the kv class,
     and a node's SNIC reading from storage), each flow's CPU less the same span idle just before."""
     from dualpath.traffic_classes import KV
-    from testbed.api import Testbed
+    from testbed.fabric.access import claimed_fabric
     from testbed.fabric.iperf import flow
+    from testbed.topology import load_topology
 
     out: dict[str, Any] = {}
-    with Testbed(topology, owner="profile") as tb:
-        fab = tb.fabric
+    with claimed_fabric(load_topology(topology), owner_kind="profile") as fab:
         p_node = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "host")
         d_node = next(e for e in fab.endpoints if e.role == "decode" and e.kind == "host")
         p_eng = next(e for e in fab.endpoints if e.role == "prefill" and e.kind == "engine")

@@ -283,7 +283,7 @@ def calibrate_scale_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="
                         out: Path = typer.Option(Path("results/calibrate/scale"), help="the search goes to "
                                                  "OUT/<run-id>/")) -> None:
     """The largest link scale (smallest dilation) at which the topology's run stays FAITHFUL, less a margin."""
-    from testbed.calibrate.scale import calibrate_scale, report_lines, write
+    from testbed.reproduce.calibrate_scale import calibrate_scale, report_lines, write
     from testbed.cluster.conductor import MODES
 
     _need_root()

@@ -278,8 +278,8 @@ def verify(results: list[ModeResult], checkpoint: Path, geom: BlockGeometry,
                     if len(per_traj) < every else "") + f", {workers} process{'es' * (workers > 1)})")
     verdicts: dict[tuple[int, int], Any] = {}
     groups = share_out(per_traj, workers)  # one batch of trajectories per process, in lockstep
-    if workers == 1:
-        done = [check_trajectories(str(checkpoint), geom, groups[0], device)]
+    if workers == 1 or not groups:  # (none: only the oracle ran, which moves no KV to check)
+        done = [check_trajectories(str(checkpoint), geom, g, device) for g in groups]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
