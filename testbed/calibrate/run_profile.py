@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from testbed.measure.monitor import cpu_fields
 from testbed.measure.cpu_profile import (ProcessCpu, by_role, floor_summary, in_modes, mode_mark, parse_raw, role_of,
                                          summarize)
 
@@ -53,8 +54,7 @@ def _argv(pid: int) -> list[str]:
 def machine_cpu() -> dict[str, int]:
     """All cores' jiffies from /proc/stat's first line, by kind."""
     names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:1 + len(names)]
-    return dict(zip(names, map(int, fields)))
+    return dict(zip(names, cpu_fields()))
 
 
 def busy_s(a: dict[str, int], b: dict[str, int]) -> float:
@@ -70,6 +70,7 @@ class TreeSampler:
     def __init__(self, root: int, interval_s: float = 0.25):
         self.root, self.interval_s = root, interval_s
         self.seen: dict[int, tuple[list[str], int, int]] = {}  # pid -> (argv, utime, stime) jiffies
+        self._lock = threading.Lock()  # the sampler thread and snapshot()'s caller both read and write it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dpt-profile-sampler", daemon=True)
 
@@ -96,10 +97,11 @@ class TreeSampler:
                 f = _stat_fields(int(d))
                 if f is not None:
                     parent[int(d)], times[int(d)] = f[0], (f[1], f[2])
-        for pid, t in times.items():
-            if self._descends(pid, parent):
-                argv = self.seen[pid][0] if pid in self.seen else _argv(pid)
-                self.seen[pid] = (argv, *t)
+        with self._lock:
+            for pid, t in times.items():
+                if self._descends(pid, parent):
+                    argv = self.seen[pid][0] if pid in self.seen else _argv(pid)
+                    self.seen[pid] = (argv, *t)
 
     def snapshot(self) -> dict[str, float]:
         """CPU seconds so far by role, and the kernel's softirq and irq: one end of a window."""
@@ -121,7 +123,9 @@ class TreeSampler:
         return False
 
     def processes(self) -> list[ProcessCpu]:
-        return [ProcessCpu(pid, role_of(argv), u / _TICK, s / _TICK) for pid, (argv, u, s) in self.seen.items()]
+        with self._lock:
+            seen = list(self.seen.items())
+        return [ProcessCpu(pid, role_of(argv), u / _TICK, s / _TICK) for pid, (argv, u, s) in seen]
 
 
 def py_spy() -> str:
@@ -269,7 +273,7 @@ def model_floor(run_dir: Path, checkpoint: str, device: str = "cpu") -> tuple[fl
                 prefilled, decoded = prefilled + new, decoded + r["gen_len"]
             ref.run_many(items)
             for (t, _), (prompt, gen) in zip(now.items(), items):
-                context[t] = prompt + ref._cache[(tuple(prompt), gen)][0][:-1]
+                context[t] = prompt + ref.run(prompt, gen)[0][:-1]  # computed just above
         cpu += time.process_time() - t0
     return cpu, {"prefilled": prefilled, "decoded": decoded, "requests": len(recs)}
 

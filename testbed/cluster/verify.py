@@ -82,25 +82,19 @@ class Reference:
         from dualpath.model import DecodeCache
         from dualpath.model.transformer import concat_kv
 
-        todo, live = [], []
+        todo: dict[tuple, tuple[tuple, list[int], DecodeCache]] = {}  # key -> (prefix, tokens, cache)
         for prompt, gen_len in items:
             key = (tuple(prompt), gen_len)
-            if key in self._cache or key in (k for k, _, _ in todo):
+            if key in self._cache or key in todo:
                 continue
             done, past = self._longest_prefix(key[0])
             res = self.model.prefill(prompt[len(done):], past, last_only=True)
-            out = [int(res.logits[-1].argmax())]
-            todo.append((key, done, out))
-            live.append(DecodeCache(self.model, concat_kv(past, res.new_kv)))
-        caches = dict(zip((k for k, _, _ in todo), live))
-        while True:
-            step = [(out, caches[key]) for key, _, out in todo if len(out) < key[1]]
-            if not step:
-                break
+            todo[key] = (done, [int(res.logits[-1].argmax())], DecodeCache(self.model, concat_kv(past, res.new_kv)))
+        while step := [(out, cache) for (_, gen_len), (_, out, cache) in todo.items() if len(out) < gen_len]:
             for (out, _), tok in zip(step, self.model.decode_step([o[-1] for o, _ in step], [c for _, c in step])):
                 out.append(tok)
-        for key, done, out in todo:
-            kv = [(k.contiguous(), v.contiguous()) for k, v in caches[key].kv()]
+        for key, (done, out, cache) in todo.items():
+            kv = [(k.contiguous(), v.contiguous()) for k, v in cache.kv()]
             self._cache[key] = (out, kv)
             self._contexts.pop(done, None)  # extended: the longer context replaces it
             self._contexts[key[0] + tuple(out[:-1])] = kv

@@ -25,12 +25,12 @@ class Sample:
     steal: int = 0  # jiffies the hypervisor ran something else (in cpu_busy too)
 
 
-def _cpu_fields() -> list[int]:
+def cpu_fields() -> list[int]:
     return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
 
 
 def _read_cpu() -> tuple[int, int]:
-    fields = _cpu_fields()
+    fields = cpu_fields()
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
@@ -39,7 +39,7 @@ def _read_cpu() -> tuple[int, int]:
 def read_steal() -> tuple[int, int]:
     """(steal, total) jiffies, all cores: the time a hypervisor ran something else while this
     machine's CPUs wanted to run (counted as busy by cpu_busy)."""
-    fields = _cpu_fields()
+    fields = cpu_fields()
     return fields[7], sum(fields[:8])
 
 
