@@ -38,3 +38,24 @@ def test_probes_are_bounded_and_a_search_without_a_faithful_run_recommends_nothi
     evaluate, calls = verdict_up_to(1.0)  # every probe faithful: a lower bound, said so
     best, pts = search_scale(evaluate, 0.0016, max_probes=4, rel_tol=0.1)
     assert len(calls) == 4 and not recommend(pts, 0.25)["bracketed"]
+
+
+def test_a_search_says_it_is_no_result_and_an_old_one_is_written_again_so(tmp_path):
+    import json
+
+    from tests.conftest import dualpath
+
+    old = {"command": "dualpath calibrate scale x.yaml", "topology": "x.yaml", "file_scale": 0.0016,
+           "file_dilation": 4.88, "modes": ["dualpath"], "agents": 24, "seed": 0,
+           "probes": [{"scale": 0.0016, "dilation": 4.88, "faithful": True, "cpu_busy": {"dualpath": 0.4}, "wall_s": 30},
+                      {"scale": 0.0032, "dilation": 2.44, "faithful": False, "cpu_busy": {"dualpath": 0.9}, "wall_s": 20}],
+           "recommended": {"faithful_up_to": 0.0016, "unfaithful_at": 0.0032, "margin": 0.25, "scale": 0.00128,
+                           "bracketed": True, "dilation": 6.1}}
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    p = dualpath("calibrate", "scale", "--report", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["faithful"] is False and s["result"] is False and s["probes"] == old["probes"]
+    assert (tmp_path / "report.md").read_text().count("NOT A RESULT") == 1 and "NOT A RESULT" in p.stdout
+    p = dualpath("calibrate", "scale", "--report", str(tmp_path / "nowhere"))
+    assert p.returncode == 2 and "no readable summary.json" in p.stderr and "Traceback" not in p.stderr

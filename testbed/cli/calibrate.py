@@ -281,11 +281,22 @@ def calibrate_scale_cmd(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="
                         rel_tol: float = typer.Option(0.1, min=0.01, max=1.0, help="stop when the bracket is this "
                                                       "close"),
                         out: Path = typer.Option(Path("results/calibrate/scale"), help="the search goes to "
-                                                 "OUT/<run-id>/")) -> None:
+                                                 "OUT/<run-id>/"),
+                        report: Optional[Path] = typer.Option(None, help="write an earlier search's report.md "
+                                                              "again from its summary.json (runs nothing)")) -> None:
     """The largest link scale (smallest dilation) at which the topology's run stays FAITHFUL, less a margin."""
     from testbed.reproduce.calibrate_scale import calibrate_scale, report_lines, write
     from testbed.cluster.conductor import MODES
 
+    if report is not None:
+        try:
+            res = json.loads((report / "summary.json").read_text())
+        except (OSError, ValueError) as e:
+            _fail(f"--report {report}: no readable summary.json ({e})")
+        write(res, report)
+        for line in report_lines(res):
+            typer.echo(line)
+        return
     _need_root()
     _topology(topology)
     mode_list = tuple(m for m in modes.split(",") if m)

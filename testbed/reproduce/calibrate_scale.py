@@ -89,14 +89,23 @@ def calibrate_scale(topology: Path, out: Path, *, modes: tuple[str, ...] = ("dua
         rec["dilation"] = round(probe_config(topology, rec["scale"], modes, agents, seed).topology_obj().dilation(kv), 4)
     from testbed.paths import code_version
 
-    return {"command": command, "code": code_version(), "topology": str(topology), "file_scale": start,
+    return {"command": command, **NOT_A_RESULT, "code": code_version(), "topology": str(topology), "file_scale": start,
             "file_dilation": round(load_topology(topology).dilation(kv), 4), "modes": list(modes),
             "agents": agents, "seed": seed, "probes": probes, "recommended": rec}
 
 
+# A search's probes past the edge are UNFAITHFUL on purpose: that is how the edge is found. Its
+# summary and report say so at the top, so that nobody reads a probe as a measurement.
+NOT_A_RESULT = {"faithful": False, "result": False,
+                "verdict": "not a result: a search for the edge of fidelity, whose probes above the edge were "
+                           "UNFAITHFUL (CPU-saturated or late) by design; only the FAITHFUL probes' verdicts and "
+                           "the recommended scale are used, and no number here is a measurement of the paper's"}
+
+
 def report_lines(s: dict[str, Any]) -> list[str]:
     rec = s["recommended"]
-    lines = [f"{s['topology']}: the file's scale {s['file_scale']:g} (k = {s['file_dilation']:.3g}); "
+    lines = [f"NOT A RESULT. {NOT_A_RESULT['verdict'][len('not a result: '):]}.", "",
+             f"{s['topology']}: the file's scale {s['file_scale']:g} (k = {s['file_dilation']:.3g}); "
              f"{', '.join(s['modes'])} with {s['agents']} agents (seed {s['seed']})"]
     for p in s["probes"]:
         lines.append(f"  scale {p['scale']:<9g} k = {p['dilation']:<6.3g} {'FAITHFUL' if p['faithful'] else 'UNFAITHFUL'}"
@@ -114,6 +123,8 @@ def report_lines(s: dict[str, Any]) -> list[str]:
 
 
 def write(s: dict[str, Any], run_dir: Path) -> None:
+    """summary.json and report.md; a summary written before NOT_A_RESULT existed gets it."""
+    s = {**s, **NOT_A_RESULT}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (run_dir / "report.md").write_text(f"# dualpath calibrate scale\n\nProduced by `{s['command']}`.\n\n```\n"
