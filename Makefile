@@ -1,7 +1,7 @@
 # The two commands of the README. Each installs what it needs first.
 PY := .venv/bin/python
 
-.PHONY: demo test setup clean vm-image vm-test vm-smoke vm-shell vm-guest-test
+.PHONY: demo test setup clean vm-image vm-test vm-smoke vm-shell vm-guest-test cluster-test
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -33,3 +33,9 @@ vm-shell: vm-image
 # Inside a guest that already has the kernel and the venv (e.g. `vagrant ssh`, then sudo make ...).
 vm-guest-test: setup
 	@$(PY) scripts/vm/guest_test.py
+
+# One topology over two servers: this machine and a QEMU guest of the VM image, joined by VXLAN
+# tunnels (docs/cluster.md): prepare, the fabric across both, traffic through it, cleanup after
+# down and after a SIGKILL. results/cluster/<run-id>/summary.json.
+cluster-test: setup
+	@$(PY) scripts/cluster/cluster_test.py

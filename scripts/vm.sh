@@ -6,7 +6,8 @@
 #                                        prints its output and exits with its exit code
 #   scripts/vm.sh shell [OPTIONS]        boot to a root shell on the serial console
 #
-# OPTIONS: --timeout S (900), --mem MB (6144), --smp N (2)
+# OPTIONS: --timeout S (900), --mem MB (6144), --smp N (2), --tap IF (a second NIC on the host's
+#          tap device IF, made by the caller; MTU 9000, MAC 52:54:00:64:70:02: make cluster-test)
 #
 # The checkout is shared read-write at its own path (9p); the VM's venv (build/vm/venv) is a
 # read-only disk image of it mounted at the same path: CMD runs with that venv first on PATH. Each run gets a folder under
@@ -21,9 +22,9 @@ VMDIR=${DPT_VM_DIR:-$REPO/build/vm}; IMG=$VMDIR/image; VENV=$VMDIR/venv
 die() { echo "vm: $*" >&2; exit 2; }
 
 cmd=${1:-}; shift || true
-TMO=900; MEM=6144; SMP=2
+TMO=900; MEM=6144; SMP=2; TAP=""
 while [ $# -gt 0 ]; do case $1 in
-  --timeout) TMO=$2; shift 2;; --mem) MEM=$2; shift 2;; --smp) SMP=$2; shift 2;;
+  --timeout) TMO=$2; shift 2;; --mem) MEM=$2; shift 2;; --smp) SMP=$2; shift 2;; --tap) TAP=$2; shift 2;;
   --) shift; break;; *) break;; esac; done
 
 case "$cmd" in
@@ -60,6 +61,11 @@ ARGS=(-accel tcg,thread=multi,tb-size=512 -cpu max -smp "$SMP" -m "$MEM" -no-reb
       -nic user,model=virtio-net-pci
       -virtfs "local,path=$REPO,mount_tag=repo,security_model=none,id=repo"
       -object rng-random,filename=/dev/urandom,id=rng0 -device virtio-rng-pci,rng=rng0)
+if [ -n "$TAP" ]; then
+  [ -d "/sys/class/net/$TAP" ] || die "--tap $TAP: no such interface (the caller makes it)"
+  ARGS+=(-netdev "tap,id=tap0,ifname=$TAP,script=no,downscript=no"
+         -device "virtio-net-pci,netdev=tap0,host_mtu=9000,mac=52:54:00:64:70:02")
+fi
 # A root file system is one guest's at a time.
 exec 9>"$IMG/.lock"; flock -n 9 || die "another VM is using $IMG"
 T0=$(date +%s.%N)

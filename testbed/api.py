@@ -65,7 +65,7 @@ class Testbed:
 
     def __init__(self, topology: str | os.PathLike[str] | Topology | None = None, *, services: bool = False,
                  checkpoint: str | os.PathLike[str] | None = None, transport: str = "tcp",
-                 shares: Sequence[os.PathLike[str]] = (), owner: str = "api"):
+                 shares: Sequence[os.PathLike[str]] = (), owner: str = "api", server: str | None = None):
         from testbed.topology import load_topology
 
         if isinstance(topology, Topology):  # loaded already, perhaps with a command's overrides
@@ -81,6 +81,7 @@ class Testbed:
         self.services = services
         self.checkpoint = Path(checkpoint) if checkpoint else None
         self.transport = transport
+        self.server = server  # one server's part of a topology over several (None: the first, which leads)
         self.run_dir = rundir.RUN_DIR
         self.timings: dict[str, float] = {}
         self.state: dict[str, Any] = {}
@@ -126,12 +127,14 @@ class Testbed:
         t0 = time.monotonic()
         # with hosts: docker, the node processes' run directory and checkpoint are shared into the containers
         shares = (self.run_dir, *self.shares, *((self._checkpoint(),) if self.services else ()))
-        self.fabric = Fabric(self.topo, self.transport, shares)  # rdma: an rxe device per namespace
+        self.fabric = Fabric(self.topo, self.transport, shares, server=self.server)  # rdma: an rxe device per namespace
         self.fabric.up()
         # the root namespace's own addresses: the conductor's, and one through which a store client
-        # in the caller's process reaches the storage servers (through their shaped NICs)
-        run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
-                                         f"addr replace {STORAGE_CLIENT_IP}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
+        # in the caller's process reaches the storage servers (through their shaped NICs). Only
+        # the first server's: over several servers the bridges are one L2 network.
+        if not self.fabric.is_remote_part:
+            run(["ip", "-batch", "-"], stdin=f"addr replace {CONDUCTOR_IP}/{COMPUTE_NET.prefixlen} dev {COMPUTE_BRIDGE}\n"
+                                             f"addr replace {STORAGE_CLIENT_IP}/{STORAGE_NET.prefixlen} dev {STORAGE_BRIDGE}\n")
         self.timings["fabric_s"] = round(time.monotonic() - t0, 3)
         self.state.update(self._fabric_state(CONDUCTOR_IP, STORAGE_CLIENT_IP))
         self.state["phase"] = "fabric"

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from testbed.fabric import rundir
 
 READY_TIMEOUT_S = {False: 60.0, True: 600.0}  # fabric only / with services (engines load a model)
+REMOTE_READY_TIMEOUT_S = 600.0  # a fabric over several servers, or one server's part of it
 
 
 class _Stop(Exception):
@@ -32,12 +33,13 @@ class _Stop(Exception):
 
 
 def start_detached(topology: Path, services: bool, checkpoint: Path | None = None,
-                   transport: str = "tcp") -> dict[str, Any]:
-    """Fork a runner that brings the testbed up; return its state once it is up.
-    Raises TestbedError (one line) if it could not come up; nothing is left behind then."""
+                   transport: str = "tcp", server: str | None = None) -> dict[str, Any]:
+    """Fork a runner that brings the testbed up (with `server`, only that server's part of a
+    topology over several); return its state once it is up. Raises TestbedError (one line) if
+    it could not come up; nothing is left behind then."""
     from testbed.api import Testbed, TestbedError
 
-    tb = Testbed(topology, services=services, checkpoint=checkpoint, transport=transport)  # validates first
+    tb = Testbed(topology, services=services, checkpoint=checkpoint, transport=transport, server=server)  # validates first
     tb.owner_kind = "detached"
     r, w = os.pipe()
     sys.stdout.flush()
@@ -52,7 +54,11 @@ def start_detached(topology: Path, services: bool, checkpoint: Path | None = Non
             os._exit(code)
     os.close(w)
     try:
-        msg = _read_report(r, READY_TIMEOUT_S[services])
+        # over several servers, one may be a QEMU guest under TCG (make cluster-test): 5-9x slower
+        from testbed.placement import spans_servers
+
+        slow = server is not None or spans_servers(tb.topo)
+        msg = _read_report(r, REMOTE_READY_TIMEOUT_S if slow else READY_TIMEOUT_S[services])
     except KeyboardInterrupt:  # the caller gave up: the runner must not stay up unseen
         os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)

@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dualpath.analysis import method
 from dualpath.analysis.bounds import pd_bounds
 from dualpath.analysis.testbed_bounds import testbed_model
 from testbed.paths import REPO
 from testbed.topology_file import MAX_SCALAR_CHARS, TopologyError, _parse_yaml, _read, _short_name, _source
+from testbed.topology_servers import ServerSpec, _Strict, check_placement
 
 
 MIN_BPS = 1_000_000  # 1 Mbit/s, see the module docstring
@@ -102,11 +103,12 @@ _HINTS: dict[str, str] = {
     "container_limits": "give container_limits per kind, e.g. {engine: {cpus: 0.5, memory_gib: 4}} "
                         "(kinds: engine, host, storage), with hosts: docker",
     "description": f"keep description to at most {MAX_SCALAR_CHARS} characters",
+    "servers": "list the servers, this machine first and without ssh: servers: [{name: here}, "
+               "{name: b, ssh: root@10.0.0.2}] (docs/cluster.md)",
+    "tunnel": "set tunnel to gretap (the default) or vxlan (for kernels without ip_gre)",
+    "place": "map nodes (p0, d0, ...) and storage servers (s0, ...) to server names: place: {d0: b} "
+             "(docs/cluster.md)",
 }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 _Gbps = Field(gt=0, le=MAX_GBPS)
@@ -196,6 +198,12 @@ class TopologySpec(_Strict):
     # A team's KV connector, MODULE:CLASS or FILE.py:CLASS (a FILE relative to this topology's
     # folder): what `dualpath run --connector` names (dualpath/kv/plugin.py, docs/connectors.md).
     connector: str | None = Field(default=None, min_length=3, max_length=300, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
+    # Several servers (DESIGN.md section 12, docs/cluster.md): none means this machine alone.
+    servers: list[ServerSpec] = Field(default_factory=list, max_length=16)
+    place: dict[str, str] = Field(default_factory=dict, max_length=400)
+    # What joins the servers' bridges: gretap (Mininet's cluster edition, MaxiNet), or VXLAN where
+    # a kernel has no ip_gre (this project's dev machine: docs/cluster.md).
+    tunnel: Literal["gretap", "vxlan"] = "gretap"
     # Linux interface names are at most 15 bytes; ours are dpt-p<N>e<M>-cnb: hence <= 99 (le above).
 
     @field_validator("gso_max_bytes")
@@ -210,6 +218,11 @@ class TopologySpec(_Strict):
     def _limits_need_containers(self) -> "TopologySpec":
         if self.container_limits is not None and self.hosts != "docker":
             raise ValueError("container_limits apply to hosts: docker only")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_names_servers(self) -> "TopologySpec":
+        check_placement(self)
         return self
 
 

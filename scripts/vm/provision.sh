@@ -23,7 +23,9 @@ KERNEL_META=linux-image-amd64
 
 # The testbed's own needs (mininet, tc, nftables, iperf3, fio, pyverbs; the python3-* that the
 # venv, made with --system-site-packages on a host that has them, takes from Debian), RDMA (rdma-core for
-# `rdma link`, the rxe provider, perftest for ib_read_bw/ib_write_bw), and what a shell needs.
+# `rdma link`, the rxe provider, perftest for ib_read_bw/ib_write_bw), what a shell needs, and an
+# sshd for the guest as a second server (make cluster-test; debootstrap keeps it from starting
+# while it installs, and the guest starts it only when asked: scripts/vm/serve_ssh.sh).
 VM_PACKAGES=(
     kmod iproute2 iputils-ping procps psmisc ethtool netbase ca-certificates less curl bc time
     strace make
@@ -31,10 +33,11 @@ VM_PACKAGES=(
     python3-yaml python3-pyparsing python3-six python3-pygments python3-setuptools
     mininet bridge-utils iperf3 fio nftables iptables tcpdump
     rdma-core ibverbs-utils ibverbs-providers libibverbs1 perftest python3-pyverbs
+    openssh-server
 )
 
 # Modules the testbed loads on demand anyway; listed so that a booted guest has them at once.
-VM_MODULES=(rdma_rxe ib_uverbs veth bridge sch_htb sch_netem cls_u32 nf_tables)
+VM_MODULES=(rdma_rxe ib_uverbs veth bridge sch_htb sch_netem cls_u32 nf_tables ip_gre vxlan)
 
 # The system libibverbs: NIXL's wheel bundles its own (rdma-core 48), which cannot load this
 # system's rxe provider, so UCX silently falls back to TCP unless this one is preloaded

@@ -1,4 +1,4 @@
-"""A live testbed: `topo`, `up`, `status`, `exec`, `down`, `clean`."""
+"""A live testbed: `topo`, `up`, `status`, `exec`, `down`, `clean`, and `cluster prepare` for one spread over servers."""
 from __future__ import annotations
 
 import json
@@ -16,11 +16,16 @@ from testbed.cli.shared import _fabric, _fail, _need_root, _topology, app
 
 @app.command()
 def topo(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML")) -> None:
-    """Validate a topology file; show its emulated rates, P/D bounds, target and time scale."""
+    """Validate a topology file; show its emulated rates, P/D bounds, target and time scale, and
+    with servers: what each server holds and what must cross between them."""
     from dualpath.model.tiny import DEMO_KV_BYTES_PER_TOKEN
+    from testbed import placement
 
-    for line in _topology(topology).describe(DEMO_KV_BYTES_PER_TOKEN):
+    t = _topology(topology)
+    for line in t.describe(DEMO_KV_BYTES_PER_TOKEN) + placement.describe(t):
         typer.echo(line)
+    if placement.problems(t):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -32,9 +37,14 @@ def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
                                      "host agents and engines"),
        checkpoint: Optional[Path] = typer.Option(None, help="with --services: the model the engines load "
                                                  "(default: the tiny demo model)"),
-       as_json: bool = typer.Option(False, "--json", help="with --detach: print the state as JSON")) -> None:
+       as_json: bool = typer.Option(False, "--json", help="with --detach: print the state as JSON"),
+       server: Optional[str] = typer.Option(None, "--server", hidden=True, help="with --detach: only the part "
+                                            "the topology places on this server (the first server asks for it "
+                                            "over SSH: testbed/fabric/remote.py)")) -> None:
     """Bring a topology up and print its namespaces and NICs; hold it until Ctrl-C, or --detach."""
     _need_root()
+    if server is not None and (not detach or services):
+        _fail("up: --server is for the first server's SSH call: it needs --detach and no --services")
     if not detach:
         for flag, given in (("--services", services), ("--json", as_json), ("--checkpoint", checkpoint)):
             if given:
@@ -46,7 +56,7 @@ def up(topology: Path = typer.Argument(DEFAULT_TOPOLOGY, help="topology YAML"),
 
     t0 = time.monotonic()
     try:
-        st = start_detached(topology or DEFAULT_TOPOLOGY, services, checkpoint)
+        st = start_detached(topology or DEFAULT_TOPOLOGY, services, checkpoint, server=server)
     except TestbedError as e:
         _fail(str(e), code=1)
     except TopologyError as e:
@@ -145,9 +155,53 @@ def exec_cmd(node: str = typer.Argument(..., help="a namespace of the testbed: p
 
 
 @app.command()
-def clean() -> None:
-    """Remove anything the testbed left behind (matched by its dpt prefix only)."""
+def clean(topology: Optional[Path] = typer.Argument(None, help="a topology that names servers: clean each of "
+                                                    "them too (default: this machine only)")) -> None:
+    """Remove anything the testbed left behind (matched by its dpt prefix only), here and on a
+    topology's other servers."""
     _need_root()
     from testbed.fabric.cleanup import clean as do_clean
+    from testbed.fabric.guest_server import stop_leftover_guests
+    from testbed.fabric.remote import clean_remote, close_leftover_masters
 
+    t = _topology(topology) if topology is not None else None
+    failed = False
+    for c in clean_remote(t) if t is not None else []:  # first: their tunnels lead here
+        typer.echo(c.line())
+        failed |= not c.ok
     do_clean(verbose=True)
+    for sock in close_leftover_masters():
+        typer.echo(f"closed a leftover ssh connection ({sock})")
+    for folder in stop_leftover_guests():
+        typer.echo(f"stopped a leftover cluster-test guest ({folder})")
+    if failed:
+        raise typer.Exit(1)
+
+
+cluster_app = typer.Typer(no_args_is_help=True, help="A topology spread over several servers (docs/cluster.md).")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("prepare")
+def cluster_prepare(topology: Path = typer.Argument(..., help="a topology YAML with servers: and place:")) -> None:
+    """Check every server of a topology: SSH as root, the checkout and venv at the same path and
+    commit, gretap, bridges and HTB in its kernel, its clock, and the path MTU the tunnels need.
+    One line per check; exit 1 if any is a problem."""
+    _need_root()
+    from testbed import placement
+    from testbed.fabric.remote import prepare
+
+    t = _topology(topology)
+    if not t.spec.servers:
+        _fail(f"{topology}: names no servers, so there is nothing to prepare; see docs/cluster.md", code=2)
+    checks = prepare(t)
+    problems = placement.problems(t)
+    for c in checks:
+        typer.echo(c.line())
+    for p in problems:
+        typer.echo(f"topology: PROBLEM {p}")
+    bad = sum(not c.ok for c in checks) + len(problems)
+    typer.echo(f"{len(t.spec.servers)} servers, {len(checks)} checks: "
+               + (f"{bad} problem(s)" if bad else "ready"))
+    if bad:
+        raise typer.Exit(1)

@@ -178,6 +178,10 @@ class Cluster:
         collectives from its target (testbed/cluster/runclock.py). `kw` goes to the constructor."""
         from testbed.cluster.runclock import RunClock
 
+        if fab.remotes or fab.is_remote_part:
+            raise ValueError(f"topology {fab.topo.name} places nodes on other servers: this version brings up the "
+                             "fabric across servers (`dualpath up`) but starts node processes on one machine only; "
+                             "remove place: to run it here (docs/cluster.md)")
         spec, clock = fab.topo.spec, RunClock.of(fab.topo, geom)
         return cls(fab, run_dir, checkpoint, geom,
                    buffer_bytes if buffer_bytes is not None else int(spec.dram_buffer_gib * 2**30),

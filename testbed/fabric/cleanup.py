@@ -25,6 +25,7 @@ from pathlib import Path
 from dualpath.naming import PREFIX
 from testbed.fabric import containers
 from testbed.fabric import rundir
+from testbed.fabric.guest_server import live_guest_taps
 from testbed.fabric.shell import run
 
 NETNS_DIR = Path("/run/netns")
@@ -128,9 +129,10 @@ def find_leftovers(exclude_pids: set[int] | None = None) -> Leftovers:
                             - (exclude_pids or set()))
     if rundir.RUN_DIR.exists():
         left.run_dirs.append(str(rundir.RUN_DIR))
+    in_use = live_guest_taps()  # a cluster-test guest's NIC is no testbed's leftover while its owner lives
     for link in json.loads(run(["ip", "-j", "-d", "link", "show"]) or "[]"):
         name = link.get("ifname", "")
-        if not name.startswith(f"{PREFIX}-"):
+        if not name.startswith(f"{PREFIX}-") or name in in_use:
             continue
         kind = link.get("linkinfo", {}).get("info_kind", "")
         (left.bridges if kind == "bridge" else left.links).append(name)

@@ -43,6 +43,7 @@ from emulators import dscp_marking
 from emulators.nic import NicShape, htb_batch, unshape_batch
 from testbed.fabric.cleanup import find_leftovers, kill_processes_in
 from testbed.fabric.shell import ns_argv, run
+from testbed.placement import placement, server_of_namespace, servers, spans_servers
 from testbed.topology import Topology
 
 COMPUTE_BRIDGE = f"{PREFIX}-cbr"
@@ -188,19 +189,33 @@ class ClusterTopo(Topo):
 class Fabric:
     """A live emulated cluster. Use as a context manager so teardown always runs."""
 
-    def __init__(self, topo: Topology, transport: str = "tcp", shares: Sequence[Path] = ()):
+    def __init__(self, topo: Topology, transport: str = "tcp", shares: Sequence[Path] = (),
+                 server: str | None = None):
         """`shares`: folders the node processes read and write (the run's scratch folder, the
         checkpoint's), bind-mounted into every container with `hosts: docker` (the checkout and
-        its venv are in the node image, testbed/fabric/node_image.py)."""
+        its venv are in the node image, testbed/fabric/node_image.py). `server`: with a topology
+        over several servers, the one whose part this fabric is (default: the first, which also
+        brings up the others' parts over SSH and joins their bridges: testbed/fabric/remote.py)."""
         if transport not in ("tcp", "rdma"):
             raise ValueError(f"unknown transport {transport!r}; expected tcp or rdma")
+        first = servers(topo)[0].name
+        self.server = server or first
+        if self.server not in {v.name for v in servers(topo)}:
+            raise ValueError(f"topology {topo.name} has no server {self.server!r}")
+        # The first server's fabric leads: it brings up the other servers' parts.
+        self.remotes = ([v for v in servers(topo)[1:] if v.name in set(placement(topo).values())]
+                        if self.server == first else [])
+        if transport == "rdma" and spans_servers(topo):
+            raise ValueError("transport rdma across servers is not supported: the tunnels carry TCP")
         self.topo = topo
         self.shares = tuple(Path(p) for p in shares)
         self.containers: dict[str, int] = {}  # namespace -> its container's init pid (hosts: docker)
         self.timings: dict[str, float] = {}  # bring-up and teardown phases, seconds
         self.transport = transport
         self.rxe: dict[str, str] = {}  # veth (namespace end) -> its rxe device, with transport rdma
-        self.endpoints = plan(topo)
+        self.endpoints = [ep for ep in plan(topo) if server_of_namespace(topo, ep.name) == self.server]
+        self.tunnels_up: list[str] = []  # tunnel devices made on this server
+        self._remote_up = False  # the other servers' parts were asked up: down() asks them down
         self.net: Mininet | None = None
         self._attached: list[str] = []
         self._shaped = False
@@ -213,6 +228,12 @@ class Fabric:
             if ep.name == full:
                 return ep
         raise KeyError(f"no endpoint {name!r} in topology {self.topo.name}")
+
+    @property
+    def is_remote_part(self) -> bool:
+        """This fabric is a server's part of a topology over several, not the first server's
+        (which leads, and holds the root namespace's addresses)."""
+        return self.server != servers(self.topo)[0].name
 
     @property
     def nics(self) -> list[Nic]:
@@ -290,6 +311,14 @@ class Fabric:
             run(["sysctl", "-q", "-w", *sysctls], ns=ep.name)
         if self.transport == "rdma":
             self._add_rxe()
+        if self.remotes:
+            from testbed.fabric import remote
+
+            t1 = time.monotonic()
+            self._remote_up = True
+            remote.up_parts(self.topo, self.remotes)
+            remote.join_bridges(self.topo, {"compute": COMPUTE_BRIDGE, "storage": STORAGE_BRIDGE}, self.tunnels_up)
+            self.timings["remote_up_s"] = time.monotonic() - t1
         self.timings["up_s"] = time.monotonic() - t0
         return self
 
@@ -376,6 +405,14 @@ class Fabric:
     def _down(self) -> None:
         errors = []
         t0 = time.monotonic()
+        if self._remote_up:
+            from testbed.fabric import remote
+
+            errors += remote.down_parts(self.topo, self.remotes)
+            for dev in self.tunnels_up:
+                run(["ip", "link", "del", dev], check=False)
+            self.tunnels_up.clear()
+            self._remote_up = False
         # Processes started inside our namespaces would keep them alive, unseen, after
         # their names are gone: end them first.
         kill_processes_in(self._attached)
