@@ -128,7 +128,8 @@ class GuestServer:
             except subprocess.TimeoutExpired:
                 _kill_tree(self.proc.pid)
                 self.proc.wait(timeout=30)
-        (self.dir / "vm.pid").unlink(missing_ok=True)
+        for name in ("vm.pid", "id", "id.pub", "known_hosts"):  # the run's key goes with it
+            (self.dir / name).unlink(missing_ok=True)
         if self.made_tap:
             run(["ip", "link", "del", TAP], check=False)
             self.made_tap = False
