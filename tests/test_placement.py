@@ -1,6 +1,7 @@
 """A topology over several servers: placement, what crosses each pair, tunnels and MTU (pure), and
 the commands that read it: `dualpath topo`, `dualpath cluster prepare`, `dualpath clean TOPOLOGY`."""
 import copy
+import sys
 import socket
 import subprocess
 
@@ -110,18 +111,28 @@ def test_each_server_fabric_holds_only_its_part():
     from testbed.fabric.network import Fabric
 
     lead, part = Fabric(load_topology(EXAMPLE)), Fabric(load_topology(EXAMPLE), server="b")
-    assert {e.name for e in lead.endpoints} == {"dpt-p0", "dpt-p0e0", "dpt-p0e1", "dpt-s0"}
-    assert {e.name for e in part.endpoints} == {"dpt-d0", "dpt-d0e0", "dpt-d0e1"}
+    here, there = {"dpt-p0", "dpt-p0e0", "dpt-p0e1", "dpt-s0"}, {"dpt-d0", "dpt-d0e0", "dpt-d0e1"}
+    assert {e.name for e in lead.local_endpoints} == here
+    assert {e.name for e in lead.endpoints} == here | there  # the leader's processes and counters: all
+    assert {e.name for e in part.endpoints} == {e.name for e in part.local_endpoints} == there
     assert [v.name for v in lead.remotes] == ["b"] and part.remotes == [] and part.is_remote_part
+    assert lead.server_of("dpt-d0e1").name == "b" and lead.server_of("dpt-p0e0") is None
+    argv = lead.exec_argv("dpt-d0e0", [sys.executable, "-m", "x"], env={"A": "1 2"})
+    assert argv[0] == "ssh" and argv[-2] == "root@192.168.50.12"
+    assert argv[-1].endswith(f"exec env A='1 2' ip netns exec dpt-d0e0 {sys.executable} -m x")  # same path: no python:
+    assert lead.exec_argv("dpt-p0e0", ["true"]) == ["ip", "netns", "exec", "dpt-p0e0", "true"]
     with pytest.raises(ValueError, match="no server"):
         Fabric(load_topology(EXAMPLE), server="zz")
 
 
-def test_run_refuses_a_placement_before_it_brings_anything_up():
-    r = dualpath("run", str(EXAMPLE), "--modes", "basic")
-    assert r.returncode in (1, 2) and "Traceback" not in r.stderr
-    if r.returncode == 2:  # as root: the placement is what it refuses (not root: the root check first)
-        assert "places nodes on other servers" in r.stderr
+def test_a_storage_server_elsewhere_is_refused_before_processes_start():
+    from testbed.cluster.processes import Cluster
+    from testbed.fabric.network import Fabric
+
+    raw = copy.deepcopy(RAW)
+    raw["place"] = {"s0": "b"}
+    with pytest.raises(ValueError, match="storage server on another server"):
+        Cluster.for_topology(Fabric(parse_topology(raw)), REPO, REPO, None)
 
 
 def _closed_port() -> int:

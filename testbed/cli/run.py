@@ -187,9 +187,6 @@ def _check_run_args(topology: Path, modes: str, checkpoint: Optional[Path], out:
     from testbed.cluster.runclock import run_geometry
 
     t = _topology(topology)
-    if t.spec.place and len(set(t.spec.place.values()) - {t.spec.servers[0].name}):
-        _fail(f"{topology}: places nodes on other servers; this version brings such a fabric up (`dualpath up`) "
-              "but runs node processes on one machine only; fix: remove place: to run it here (docs/cluster.md)")
     if compute is not None:
         if compute not in ("emulated", "cpu"):
             _fail(f"--compute: {compute[:80]!r} is not emulated or cpu; fix: choose emulated (the target GPU's "

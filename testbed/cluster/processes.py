@@ -115,6 +115,15 @@ def _tail(path: Path, n: int = 1) -> str:
     return " | ".join(lines[-n:]) or f"(empty log {path})"
 
 
+def _remote_env() -> dict[str, str]:
+    """What a node process on another server gets set there (here, Popen's env does it): the
+    same as here, and the run's timeout scale (a slow server's, e.g. a TCG guest's)."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    if os.environ.get("DPT_TIMEOUT_SCALE"):
+        env["DPT_TIMEOUT_SCALE"] = os.environ["DPT_TIMEOUT_SCALE"]
+    return env
+
+
 class Cluster:
     """Node processes on a Fabric. Use as a context manager: stop() always runs."""
 
@@ -178,10 +187,12 @@ class Cluster:
         collectives from its target (testbed/cluster/runclock.py). `kw` goes to the constructor."""
         from testbed.cluster.runclock import RunClock
 
-        if fab.remotes or fab.is_remote_part:
-            raise ValueError(f"topology {fab.topo.name} places nodes on other servers: this version brings up the "
-                             "fabric across servers (`dualpath up`) but starts node processes on one machine only; "
-                             "remove place: to run it here (docs/cluster.md)")
+        if getattr(fab, "is_remote_part", False):  # a stand-in fabric has no servers
+            raise ValueError(f"topology {fab.topo.name}: node processes start from the first server's fabric, "
+                             f"not from server {fab.server}'s part")
+        if any(getattr(fab, "server_of", lambda ns: None)(e.name) for e in fab.endpoints if e.kind == "storage"):
+            raise ValueError(f"topology {fab.topo.name} places a storage server on another server: not supported yet "
+                             "(its store's folder lives on the first server); place nodes only (docs/cluster.md)")
         spec, clock = fab.topo.spec, RunClock.of(fab.topo, geom)
         return cls(fab, run_dir, checkpoint, geom,
                    buffer_bytes if buffer_bytes is not None else int(spec.dram_buffer_gib * 2**30),
@@ -246,6 +257,7 @@ class Cluster:
                 "extra_args": ["--master", started[0]] if started else []}
 
     def _spawn(self, ep: Endpoint, role: str, module: str, iface: str, ip: str, extra: list[str]) -> None:
+        """Start one node process (here, or over SSH on the server that holds its namespace)."""
         log = self.run_dir / "logs" / f"{ep.name}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         if self.transport in ("rdma", "mooncake-rdma"):  # NIXL's bundled libibverbs cannot drive rxe (transport/rdma.py); Mooncake loads the system one anyway
@@ -254,7 +266,7 @@ class Cluster:
             env = preload_env(env)
         argv = self.fab.exec_argv(ep.name, [sys.executable, "-m", module, "--name", ep.name, "--iface", iface,
                                  "--ip", ip, "--control-port", str(CONTROL_PORT), "--transport", self.transport,
-                                 *extra])
+                                 *extra], env=_remote_env())
         with open(log, "ab") as lf:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=lf, stdin=subprocess.PIPE,
                                     cwd=REPO, env=env)

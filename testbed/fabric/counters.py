@@ -75,8 +75,8 @@ def snapshot(fab: Fabric) -> Snapshot:
     for nic in fab.nics:
         classes = _has_classes(fab, nic)
         dev_counters = rxe.get(fab.rxe_of(nic) or "", {}) if rxe else {}
-        for direction, dev, ns in (("tx", nic.dev, nic.ns), ("rx", nic.bridge_dev, None)):
-            stats = class_counters(dev, ns)
+        for direction, dev, root in (("tx", nic.dev, False), ("rx", nic.bridge_dev, True)):
+            stats = _parse_counters(_run_in(fab, nic.ns, ["tc", "-s", "class", "show", "dev", dev], root))
             key = (_owner(fab, nic), nic.kind, direction)
             kv_b, kv_p, _ = stats.get(class_for(True, KV) if classes else ROOT_CLASS, (0, 0, 0))
             roce = dev_counters.get("sent_pkts" if direction == "tx" else "rcvd_pkts", 0)
@@ -91,7 +91,8 @@ def snapshot(fab: Fabric) -> Snapshot:
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
     if getattr(fab, "net", None) is not None:  # a live Mininet (a stand-in fabric has none)
         by_ip = {nic.ip: nic for nic in fab.nics}
-        for ep in fab.endpoints:
+        # this machine's namespaces only: another server's TCP re-sends are not charged (docs/cluster.md)
+        for ep in getattr(fab, "local_endpoints", fab.endpoints):
             snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
             for (lip, lport, rip, rport), n in parse_ss_resent(run(["ss", "-tinHO"], ns=ep.name, check=False)).items():
                 keys = tuple((_owner(fab, nic), nic.kind, direction)
@@ -172,9 +173,20 @@ def class_bytes(dev: str, ns: str | None = None) -> dict[str, int]:
 
 def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int, int]]:
     """(bytes, packets, drops) per HTB class id of a device."""
-    text = _show(dev, ns)
+    return _parse_counters(_show(dev, ns))
+
+
+def _parse_counters(text: str) -> dict[str, tuple[int, int, int]]:
     b, p, d = parse_class_stats(text), parse_class_packets(text), parse_class_drops(text)
     return {c: (b[c], p[c], d[c]) for c in b}
+
+
+def _run_in(fab: Fabric, ns: str, argv: list[str], root: bool = False) -> str:
+    """A command in namespace `ns` (root: the root namespace of its server), wherever the
+    fabric holds it; a stand-in fabric without servers runs it here."""
+    if hasattr(fab, "run_in"):
+        return fab.run_in(ns, argv, root)
+    return run(argv, ns=None if root else ns)
 
 
 def _show(dev: str, ns: str | None) -> str:
@@ -185,7 +197,9 @@ def dscp_counters(fab: Fabric) -> dict[str, dict[str, tuple[int, int]]]:
     """Per namespace (every host and engine), (bytes, packets) it has sent in each traffic class,
     by the DS field on the wire (nftables, emulators/dscp_marking.py): true whether HTB has two
     classes or one FIFO. Storage namespaces have no marking table and are left out."""
-    return {ep.name: ns_dscp_counters(ep.name) for ep in fab.endpoints if ep.kind != "storage"}
+    return {ep.name: dscp_marking.parse_counters(_run_in(fab, ep.name, ["nft", "-j", "list", "counters", "table", "ip",
+                                                                         dscp_marking.TABLE]), False)
+            for ep in fab.endpoints if ep.kind != "storage"}
 
 
 def ns_dscp_counters(ns: str, received: bool = False) -> dict[str, tuple[int, int]]:

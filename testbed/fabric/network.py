@@ -44,6 +44,7 @@ from emulators.nic import NicShape, htb_batch, unshape_batch
 from testbed.fabric.cleanup import find_leftovers, kill_processes_in
 from testbed.fabric.shell import ns_argv, run
 from testbed.placement import placement, server_of_namespace, servers, spans_servers
+from testbed.topology_servers import ServerSpec
 from testbed.topology import Topology
 
 COMPUTE_BRIDGE = f"{PREFIX}-cbr"
@@ -213,7 +214,11 @@ class Fabric:
         self.timings: dict[str, float] = {}  # bring-up and teardown phases, seconds
         self.transport = transport
         self.rxe: dict[str, str] = {}  # veth (namespace end) -> its rxe device, with transport rdma
-        self.endpoints = [ep for ep in plan(topo) if server_of_namespace(topo, ep.name) == self.server]
+        # The leader's endpoints are the whole cluster (its processes, counters and accounting);
+        # what this fabric builds itself is the part placed on its own server.
+        whole = plan(topo)
+        self.local_endpoints = [ep for ep in whole if server_of_namespace(topo, ep.name) == self.server]
+        self.endpoints = whole if self.server == first else self.local_endpoints
         self.tunnels_up: list[str] = []  # tunnel devices made on this server
         self._remote_up = False  # the other servers' parts were asked up: down() asks them down
         self.net: Mininet | None = None
@@ -240,11 +245,37 @@ class Fabric:
         return [n for ep in self.endpoints for n in ep.nics]
 
     @property
+    def local_nics(self) -> list[Nic]:
+        return [n for ep in self.local_endpoints for n in ep.nics]
+
+    def run_in(self, ns: str, argv: Sequence[str], root: bool = False) -> str:
+        """Run a command to completion in namespace `ns` (root: in the root namespace of the
+        server that holds `ns`, where its NICs' bridge ends are), here or over SSH; its stdout."""
+        server = self.server_of(ns)
+        if server is None:
+            return run(argv, ns=None if root else ns)
+        from testbed.fabric.remote import run_checked
+
+        return run_checked(server, list(argv) if root else ["ip", "netns", "exec", ns, *argv])
+
+    def server_of(self, ns: str) -> ServerSpec | None:
+        """The remote server that holds namespace `ns` (None: this machine)."""
+        name = server_of_namespace(self.topo, ns)
+        return next((v for v in self.remotes if v.name == name), None) if name != self.server else None
+
+    @property
     def docker(self) -> bool:
         return self.topo.spec.hosts == "docker"
 
-    def exec_argv(self, ns: str, argv: Sequence[str]) -> list[str]:
-        """argv prefixed to run as a process of namespace `ns`: in it, or in its container."""
+    def exec_argv(self, ns: str, argv: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
+        """argv prefixed to run as a process of namespace `ns`: in it, in its container, or on
+        the server that holds it (over SSH, with `env` set there and this machine's python
+        replaced by that server's; the caller's own env applies here only)."""
+        server = self.server_of(ns)
+        if server is not None:
+            from testbed.fabric.remote import remote_argv
+
+            return remote_argv(server, ns, list(argv), env or {})
         if ns in self.containers:
             from testbed.fabric.containers import enter_argv
 
@@ -271,8 +302,8 @@ class Fabric:
 
         # A few at a time: the daemon overlaps them (with vfs, each copies the image)
         with ThreadPoolExecutor(max_workers=4) as pool:
-            self.containers.update(pool.map(start, self.endpoints))
-        containers.weigh_containers(len(self.endpoints))
+            self.containers.update(pool.map(start, self.local_endpoints))
+        containers.weigh_containers(len(self.local_endpoints))
         self.timings["containers_s"] = time.monotonic() - t0
 
     def up(self) -> "Fabric":
@@ -280,28 +311,28 @@ class Fabric:
         self._refuse_if_taken()
         if self.docker:
             self._start_containers()
-        self.net = Mininet(topo=ClusterTopo(endpoints=self.endpoints, container_pids=self.containers or None),
+        self.net = Mininet(topo=ClusterTopo(endpoints=self.local_endpoints, container_pids=self.containers or None),
                            switch=LinuxBridge,
                            host=Host, link=Link, controller=None, build=False,
                            autoSetMacs=False, autoStaticArp=False, waitConnected=False)
         self.net.build()
-        for ep in self.endpoints:
+        for ep in self.local_endpoints:
             pid = self.net[ep.name].pid
             run(["ip", "netns", "attach", ep.name, str(pid)])
             self._attached.append(ep.name)
         self.net.start()
         mtu = self.topo.spec.mtu
-        for ep in self.endpoints:
+        for ep in self.local_endpoints:
             lines = ["link set lo up"] + [f"link set dev {n.dev} mtu {mtu}" for n in ep.nics]
             if self.topo.spec.gso_max_bytes:  # the senders' TCP builds no larger packet for HTB
                 lines += [f"link set dev {n.dev} gso_max_size {self.topo.spec.gso_max_bytes}"
                           for n in ep.nics if n.kind in ("cnic", "host_port")]
             run(["ip", "-batch", "-"], ns=ep.name, stdin="\n".join(lines) + "\n")
-        run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.nics))
+        run(["ip", "-batch", "-"], stdin="".join(f"link set dev {n.bridge_dev} mtu {mtu}\n" for n in self.local_nics))
         self.apply_shaping(self.topo.spec.qos)
         nft = dscp_marking.nft_script(unreserved=ROOT_IPS)
         lo, hi = KV_PORT_RANGE
-        for ep in self.endpoints:
+        for ep in self.local_endpoints:
             sysctls = list(TCP_SYSCTLS)
             if ep.kind != "storage":
                 run(["nft", "-f", "-"], ns=ep.name, stdin=nft)
@@ -325,7 +356,7 @@ class Fabric:
     # -- Soft-RoCE -------------------------------------------------------------
     def rdma_nics(self) -> list[Nic]:
         """The NICs that carry KV over RDMA: every engine's CNIC and every node's host port."""
-        return [n for n in self.nics if n.kind in ("cnic", "host_port")]
+        return [n for n in self.local_nics if n.kind in ("cnic", "host_port")]
 
     def rdma_mtu(self) -> int:
         """The RDMA MTU rxe derives from the links' MTU (4096 at 9000, 1024 at 1500)."""
@@ -363,7 +394,7 @@ class Fabric:
         """(Re)shape every NIC; `qos` selects two classes or one FIFO on CNICs."""
         root_batch: list[str] = []
         root_del: list[str] = []
-        for ep in self.endpoints:
+        for ep in self.local_endpoints:
             ns_batch = []
             for nic in ep.nics:
                 # The host port stands for the DRAM side of the node's CNICs: same two classes.

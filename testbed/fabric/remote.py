@@ -86,6 +86,28 @@ def run_on(server: ServerSpec, argv: Sequence[str], stdin: str | None = None,
         return subprocess.CompletedProcess(full, 124, "", f"no answer in {timeout:g} s")
 
 
+def run_checked(server: ServerSpec, argv: Sequence[str], timeout: float = SSH_TIMEOUT_S) -> str:
+    """run_on, raising CommandError (the command's last line) when it fails; its stdout."""
+    from testbed.fabric.shell import CommandError
+
+    p = run_on(server, argv, timeout=timeout)
+    if p.returncode != 0:
+        raise CommandError(f"server {server.name}: {shlex.join(argv)[:120]} failed: "
+                           f"{_last_line(p.stderr) or _last_line(p.stdout) or 'exit ' + str(p.returncode)}")
+    return p.stdout
+
+
+def remote_argv(server: ServerSpec, ns: str, argv: list[str], env: dict[str, str]) -> list[str]:
+    """ssh argv that runs argv as a process of namespace `ns` on `server`, in the checkout, with
+    `env` set there; this machine's python becomes the server's. Its stdin, stdout and stderr
+    are the ssh client's, so a node process's secret and ready line pass as they do here."""
+    if argv and argv[0] == sys.executable:
+        argv = [python_of(server), *argv[1:]]
+    sets = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return ssh_argv(server, f"cd {shlex.quote(str(REPO))} && exec env {sets} ip netns exec {shlex.quote(ns)} "
+                            f"{shlex.join(argv)}")
+
+
 def close(server: ServerSpec) -> None:
     """End the server's shared SSH connection, if one is open."""
     if server.ssh:
