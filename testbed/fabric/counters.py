@@ -76,7 +76,7 @@ def snapshot(fab: Fabric) -> Snapshot:
         classes = _has_classes(fab, nic)
         dev_counters = rxe.get(fab.rxe_of(nic) or "", {}) if rxe else {}
         for direction, dev, root in (("tx", nic.dev, False), ("rx", nic.bridge_dev, True)):
-            stats = _parse_counters(_run_in(fab, nic.ns, ["tc", "-s", "class", "show", "dev", dev], root))
+            stats = _nic_counters(fab, nic.ns, dev, root)
             key = (_owner(fab, nic), nic.kind, direction)
             kv_b, kv_p, _ = stats.get(class_for(True, KV) if classes else ROOT_CLASS, (0, 0, 0))
             roce = dev_counters.get("sent_pkts" if direction == "tx" else "rcvd_pkts", 0)
@@ -179,6 +179,14 @@ def class_counters(dev: str, ns: str | None = None) -> dict[str, tuple[int, int,
 def _parse_counters(text: str) -> dict[str, tuple[int, int, int]]:
     b, p, d = parse_class_stats(text), parse_class_packets(text), parse_class_drops(text)
     return {c: (b[c], p[c], d[c]) for c in b}
+
+
+def _nic_counters(fab: Fabric, ns: str, dev: str, root: bool) -> dict[str, tuple[int, int, int]]:
+    """class_counters of a NIC end, read on the server that holds namespace `ns` (root: its bridge
+    end, in that server's root namespace)."""
+    if getattr(fab, "server_of", lambda n: None)(ns) is None:
+        return class_counters(dev, None if root else ns)
+    return _parse_counters(fab.run_in(ns, ["tc", "-s", "class", "show", "dev", dev], root))
 
 
 def _run_in(fab: Fabric, ns: str, argv: list[str], root: bool = False) -> str:

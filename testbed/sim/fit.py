@@ -446,14 +446,15 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
 # Topology fields added after calibrations began to record their runs' configurations: at their
 # defaults they describe the cluster those runs had, so they are left out and the recorded
 # identities still match (with them in, every run became "held out" from its own fit).
-LATER_FIELDS = ("connector", "store")
+LATER_FIELDS = ("connector", "store", "servers", "place", "tunnel")
 
 
 def topology_contents(run: Run) -> dict[str, Any]:
     """The run's topology as the cluster it describes, whatever its name (a reproduce run's is
     derived from its overrides)."""
     spec = run_topology(run).spec
-    at_default = {f for f in LATER_FIELDS if getattr(spec, f) == type(spec).model_fields[f].default}
+    fields = type(spec).model_fields
+    at_default = {f for f in LATER_FIELDS if getattr(spec, f) == fields[f].get_default(call_default_factory=True)}
     return spec.model_dump(mode="json", exclude={"name", "description", *at_default})
 
 
