@@ -123,9 +123,11 @@ def report_lines(s: dict[str, Any]) -> list[str]:
 
 
 def write(s: dict[str, Any], run_dir: Path) -> None:
-    """summary.json and report.md; a summary written before NOT_A_RESULT existed gets it."""
-    s = {**s, **NOT_A_RESULT}
+    """summary.json and report.md, each saying first that it is not a result (a summary written
+    before NOT_A_RESULT existed gets it, at the top)."""
+    s = {**NOT_A_RESULT, **{k: v for k, v in s.items() if k not in NOT_A_RESULT}}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-    (run_dir / "report.md").write_text(f"# dualpath calibrate scale\n\nProduced by `{s['command']}`.\n\n```\n"
-                                       + "\n".join(report_lines(s)) + "\n```\n")
+    (run_dir / "report.md").write_text(
+        f"# dualpath calibrate scale\n\nThis search is {NOT_A_RESULT['verdict']}.\n\n"
+        f"Produced by `{s['command']}`.\n\n```\n" + "\n".join(report_lines(s)) + "\n```\n")
