@@ -181,20 +181,17 @@ def _parse_counters(text: str) -> dict[str, tuple[int, int, int]]:
     return {c: (b[c], p[c], d[c]) for c in b}
 
 
+def _elsewhere(fab: Fabric, ns: str) -> bool:
+    """Whether another server holds namespace `ns` (a stand-in fabric has no servers)."""
+    return getattr(fab, "server_of", lambda n: None)(ns) is not None
+
+
 def _nic_counters(fab: Fabric, ns: str, dev: str, root: bool) -> dict[str, tuple[int, int, int]]:
     """class_counters of a NIC end, read on the server that holds namespace `ns` (root: its bridge
     end, in that server's root namespace)."""
-    if getattr(fab, "server_of", lambda n: None)(ns) is None:
+    if not _elsewhere(fab, ns):
         return class_counters(dev, None if root else ns)
     return _parse_counters(fab.run_in(ns, ["tc", "-s", "class", "show", "dev", dev], root))
-
-
-def _run_in(fab: Fabric, ns: str, argv: list[str], root: bool = False) -> str:
-    """A command in namespace `ns` (root: the root namespace of its server), wherever the
-    fabric holds it; a stand-in fabric without servers runs it here."""
-    if hasattr(fab, "run_in"):
-        return fab.run_in(ns, argv, root)
-    return run(argv, ns=None if root else ns)
 
 
 def _show(dev: str, ns: str | None) -> str:
@@ -205,15 +202,15 @@ def dscp_counters(fab: Fabric) -> dict[str, dict[str, tuple[int, int]]]:
     """Per namespace (every host and engine), (bytes, packets) it has sent in each traffic class,
     by the DS field on the wire (nftables, emulators/dscp_marking.py): true whether HTB has two
     classes or one FIFO. Storage namespaces have no marking table and are left out."""
-    return {ep.name: dscp_marking.parse_counters(_run_in(fab, ep.name, ["nft", "-j", "list", "counters", "table", "ip",
-                                                                         dscp_marking.TABLE]), False)
+    return {ep.name: ns_dscp_counters(ep.name, run_in=fab.run_in if _elsewhere(fab, ep.name) else None)
             for ep in fab.endpoints if ep.kind != "storage"}
 
 
-def ns_dscp_counters(ns: str, received: bool = False) -> dict[str, tuple[int, int]]:
-    """(bytes, packets) per traffic class that namespace `ns` has sent (or `received`)."""
-    return dscp_marking.parse_counters(
-        run(["nft", "-j", "list", "counters", "table", "ip", dscp_marking.TABLE], ns=ns), received)
+def ns_dscp_counters(ns: str, received: bool = False, run_in=None) -> dict[str, tuple[int, int]]:
+    """(bytes, packets) per traffic class that namespace `ns` has sent (or `received`); `run_in`:
+    a fabric's way to reach a namespace on another server (default: this machine's)."""
+    argv = ["nft", "-j", "list", "counters", "table", "ip", dscp_marking.TABLE]
+    return dscp_marking.parse_counters(run_in(ns, argv) if run_in else run(argv, ns=ns), received)
 
 
 def dscp_delta(after: dict[str, dict[str, tuple[int, int]]], before: dict[str, dict[str, tuple[int, int]]]

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from dualpath.naming import PREFIX
+from testbed.fabric import rundir
 from testbed.fabric.remote import clock_offset, close, run_on
 from testbed.fabric.shell import run
 from testbed.paths import REPO
@@ -140,26 +141,15 @@ class GuestServer:
             self.made_tap = False
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _kill_tree(pid: int) -> None:
     """End scripts/vm.sh and everything under it: `timeout` puts QEMU in a process group of its
     own, so the script's group alone would leave the guest running."""
+    live = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     todo, tree = [pid], []
     while todo:
         p = todo.pop()
         tree.append(p)
-        todo += _children(p)
+        todo += [c for c in live if rundir.parent_pid(c) == p]
     for p in reversed(tree):  # QEMU first, then timeout, tee and the script
         try:
             os.kill(p, signal.SIGKILL)

@@ -217,7 +217,9 @@ class Fabric:
         # The leader's endpoints are the whole cluster (its processes, counters and accounting);
         # what this fabric builds itself is the part placed on its own server.
         whole = plan(topo)
-        self.local_endpoints = [ep for ep in whole if server_of_namespace(topo, ep.name) == self.server]
+        # which server holds each namespace, once: counters and process starts ask per NIC and process
+        self._server_by_ns = {ep.name: server_of_namespace(topo, ep.name) for ep in whole}
+        self.local_endpoints = [ep for ep in whole if self._server_by_ns[ep.name] == self.server]
         self.endpoints = whole if self.server == first else self.local_endpoints
         self.tunnels_up: list[str] = []  # tunnel devices made on this server
         self._remote_up = False  # the other servers' parts were asked up: down() asks them down
@@ -260,7 +262,7 @@ class Fabric:
 
     def server_of(self, ns: str) -> ServerSpec | None:
         """The remote server that holds namespace `ns` (None: this machine)."""
-        name = server_of_namespace(self.topo, ns)
+        name = self._server_by_ns.get(ns, self.server)
         return next((v for v in self.remotes if v.name == name), None) if name != self.server else None
 
     @property

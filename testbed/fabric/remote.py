@@ -250,7 +250,8 @@ def prepare(topo: Topology) -> list[Check]:
     """Every check on every server of the topology, this machine's first."""
     here = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     need = topo.spec.mtu + overhead_bytes(topo)
-    apart = {c.a for c in crossings(topo)} | {c.b for c in crossings(topo)}
+    apart = {name for c in crossings(topo) for name in (c.a, c.b)}
+    toward: str | RuntimeError | None = None  # this machine's tunnel address, looked up once
     checks: list[Check] = []
     for v in servers(topo):
         got = _same_commit(check_server(v, topo.spec.tunnel), here)
@@ -258,10 +259,13 @@ def prepare(topo: Topology) -> list[Check]:
         if v.ssh and all(c.ok for c in got if c.name == "ssh"):
             checks.append(_clock_check(v))
             if v.name in apart:
-                try:
-                    checks.append(_mtu_check(v, need, _first_address(topo)))
-                except RuntimeError as e:
-                    checks.append(Check(v.name, "path MTU", False, str(e)))
+                if toward is None:
+                    try:
+                        toward = _first_address(topo)
+                    except RuntimeError as e:
+                        toward = e
+                checks.append(_mtu_check(v, need, toward) if isinstance(toward, str)
+                              else Check(v.name, "path MTU", False, str(toward)))
         close(v)
     return checks
 
