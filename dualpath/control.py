@@ -146,6 +146,9 @@ class RpcServer:
         # A handler that already validates its arguments (e.g. validate_call in strict mode, so "0"
         # or true is no int) keeps its own validation; the others get pydantic's lax one.
         self.handlers = {name: fn if hasattr(fn, "raw_function") else validate_call(fn) for name, fn in handlers.items()}
+        # every process's clock, for a leader whose processes sit on several servers (each with
+        # its own CLOCK_MONOTONIC): testbed/cluster/processes.py aligns them with it
+        self.handlers.setdefault("clock", validate_call(lambda: {"monotonic": time.monotonic()}))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -197,16 +197,37 @@ def test_a_request_that_moved_no_kv_has_no_interfaces_whatever_its_mode_is_named
                                        de_node="dpt-d0", hit_bytes=H, miss_bytes=M), "basic")
 
 
-def test_retransmitted_segments_are_read_from_a_namespaces_snmp_table(tmp_path):
-    from testbed.fabric.counters import tcp_retransmitted_segments
+def test_retransmitted_segments_are_read_from_a_namespaces_snmp_table():
+    from testbed.fabric.counters import retransmitted_segments
 
-    snmp = tmp_path / "snmp"
-    snmp.write_text("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
-                    "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 99 17 0\n")
-    assert tcp_retransmitted_segments(snmp) == 17
-    snmp.write_text("Ip: Forwarding\nIp: 1\n")  # no Tcp table: nothing to count, no crash
-    assert tcp_retransmitted_segments(snmp) == 0
-    assert tcp_retransmitted_segments(tmp_path / "gone") == 0  # the namespace's process has exited
+    snmp = ("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+            "Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs\nTcp: 1 200 99 17 0\n")
+    assert retransmitted_segments(snmp) == 17
+    assert retransmitted_segments("Ip: Forwarding\nIp: 1\n") == 0  # no Tcp table: nothing to count, no crash
+    assert retransmitted_segments("") == 0  # the namespace's process has exited
+
+
+def test_another_server_s_tcp_state_is_read_there_in_one_command():
+    from testbed.fabric import counters
+
+    snmp = "Tcp: RtoAlgorithm RetransSegs\nTcp: 1 5\n"
+    sock = "ESTAB 0 0 10.0.0.1:7000 10.0.0.2:41000 bytes_retrans:3000\n"
+
+    class Remote:  # a fabric whose dpt-d0 is on another server
+        calls = []
+
+        def server_of(self, ns):
+            return object()
+
+        def run_in(self, ns, argv, root=False):
+            self.calls.append((ns, argv))
+            return snmp + "--dpt-split--\n" + sock
+
+    fab = Remote()
+    got_snmp, got_sock = counters._tcp_state(fab, "dpt-d0")
+    assert counters.retransmitted_segments(got_snmp) == 5
+    assert counters.parse_ss_resent(got_sock) == {("10.0.0.1", 7000, "10.0.0.2", 41000): 3000}
+    assert len(fab.calls) == 1 and fab.calls[0][0] == "dpt-d0"
 
 
 SS_LINES = (  # `ss -tinHO` in an engine namespace (one socket per line; the second never re-sent)

@@ -119,3 +119,16 @@ def test_the_speedup_bound_is_the_least_of_its_three_and_says_which():
     bare = {"basic": {"jct_s": 10.0}, "dualpath": {"jct_s": 6.0}}
     speedups(bare, 2, 1)  # no oracle, no chain: the nodes' bound alone
     assert bare["dualpath"]["speedup_bounds"] == {"nodes": 1.5}
+
+
+def test_another_server_busy_or_unread_makes_the_run_unfaithful():
+    from testbed.measure.monitor import busy_share, busy_total
+
+    # /proc/stat's cpu fields: user nice system idle iowait irq softirq steal
+    before, after = busy_total([100, 0, 50, 800, 50, 0, 0, 0]), busy_total([1050, 0, 90, 820, 50, 0, 0, 0])
+    assert busy_share(before, after) == pytest.approx(990 / 1010)
+    ok, reasons = verdict([], [], 0.3, [], server_cpu={"guest": busy_share(before, after), "b": 0.4})
+    assert not ok and len(reasons) == 1 and reasons[0].startswith("server guest: CPU busy 98% of its cores")
+    ok, reasons = verdict([], [], 0.3, [], server_cpu={"b": None})
+    assert not ok and "could not be read" in reasons[0]
+    assert verdict([], [], 0.3, [], server_cpu={"b": 0.5}) == (True, [])

@@ -174,3 +174,17 @@ def test_clean_with_a_topology_reports_the_server_it_could_not_reach(tmp_path):
 def test_prepare_wants_a_topology_with_servers():
     r = dualpath("cluster", "prepare", str(REPO / "topologies" / "1p1d.yaml"))
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr
+
+
+def test_the_run_report_says_where_each_node_ran_and_with_which_kernels():
+    from testbed.experiments.ablation import cluster_summary
+    from testbed.measure.report import cluster_lines
+
+    assert cluster_lines({"modes": {}}) == []
+    t = load_topology(REPO / "topologies" / "cluster" / "1p1d-two-servers.yaml")
+    summary = {"cluster": cluster_summary(t),
+               "modes": {"basic": {"cpu_busy_other_servers": {"b": 0.42}}, "oracle": {"cpu_busy_other_servers": {"b": None}}}}
+    lines = cluster_lines(summary)
+    assert lines[0].startswith("servers: a ran p0, s0; b ran d0; ")
+    assert ("portable kernels (MKL_CBWR=COMPATIBLE" in lines[0]) == summary["cluster"]["kernels"]["portable"]
+    assert lines[1] == "other servers' CPU busy over each mode: basic b 42%; oracle b unread"

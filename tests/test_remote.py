@@ -1,6 +1,7 @@
 """Reaching other servers (testbed/fabric/remote.py) without one: the SSH command line, the check
 script's report, commits, and the tunnel devices' lines. The script itself runs on this machine
 in tests/test_placement.py and against a QEMU guest in make cluster-test."""
+import pytest
 import subprocess
 
 from testbed.fabric import remote
@@ -53,3 +54,27 @@ def test_tunnel_lines_name_the_kind_key_and_bridge():
     gre = Tunnel("gretap", "storage", "a", "b", "dpt-gs0-1", 4450001)
     assert remote.tunnel_lines(gre, "1.1.1.1", "2.2.2.2", "dpt-sbr", 1458)[0] == \
         "link add dpt-gs0-1 type gretap local 1.1.1.1 remote 2.2.2.2 key 4450001 ttl 64"
+
+
+def test_another_clock_is_read_against_the_quickest_round_trip():
+    # (sent, its reading, received): the second round trip is the quickest (2 ms)
+    readings = [(10.0, 1010.5, 10.4), (11.0, 1011.001, 11.002), (12.0, 1012.9, 12.3)]
+    offset, uncertainty = remote.best_offset(readings)
+    assert offset == pytest.approx(1000.0) and uncertainty == pytest.approx(0.001)
+
+
+def test_every_control_server_tells_its_clock():
+    import time
+
+    from dualpath.control import RpcServer
+
+    srv = RpcServer("inproc://dpt-clock-test", {})
+    try:
+        before = time.monotonic()
+        import msgpack
+
+        rep = srv.handle(msgpack.packb({"cmd": "clock"}))
+        assert rep["ok"] and before <= rep["monotonic"] <= time.monotonic()
+    finally:
+        srv.sock.close()
+        srv.ctx.term()

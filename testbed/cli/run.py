@@ -310,6 +310,7 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     from testbed.measure.report import e2e_lines, failed_checks
 
     t_start = time.monotonic()
+    _portable_kernels_across_servers(topology)
     t, mode_list, ckpt, geom = _check_run_args(topology, modes, checkpoint, out, model=model, compute=compute, hosts=hosts,
                                                device=device, scale=scale)
     specs = _faults(t, faults or [])
@@ -359,6 +360,20 @@ def _run_e2e(topology: Path, modes: str, trajectories: Optional[int], seed: int,
     typer.echo(f"results: {run_dir}/summary.json, records.jsonl, report.md (wall {summary['wall_s']}s; "
                f"the whole command {time.monotonic() - t_start:.0f} s)")
     raise typer.Exit(1 if failed_checks(summary) else 0)  # e2e_lines printed them
+
+
+def _portable_kernels_across_servers(topology: Path) -> None:
+    """A run over several servers computes with kernels every server has (dualpath/model/numerics.py),
+    asked for before anything here touches torch: the reference here must match engines there."""
+    from testbed.placement import spans_servers
+
+    if spans_servers(_topology(topology)):
+        from dualpath.model.numerics import NumericsError, use_portable_kernels
+
+        try:
+            use_portable_kernels()
+        except NumericsError as e:
+            _fail(str(e))
 
 
 @contextmanager

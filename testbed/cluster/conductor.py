@@ -249,7 +249,7 @@ class Conductor:
         record = {"attention_s": tm["emulated_s"] if tm["held_s"] else rep["attention_s"],
                   "attention_cpu_s": rep["attention_s"], "attention_wall_s": rep["attention_wall_s"],
                   "predicted_s": step.batch.predicted_s, "timing": tm}
-        return PassOutcome(rep["t_end"] - self.t0, results, record)
+        return PassOutcome(rep["t_end"] - self.c.clock_offset(step.engine) - self.t0, results, record)
 
     @staticmethod
     def _pass_msg(job: PrefillJob, n_new: int) -> dict:
@@ -275,14 +275,15 @@ class Conductor:
     async def _decode(self, step: Decode) -> DecodeOutcome:
         """The request's decode on its DE, from the KV at `src`, writing Full Blocks to `wb`."""
         plan, job = step.plan, step.job
+        t0 = self.t0 + self.c.clock_offset(plan.route.de)  # the run's origin on the DE's clock
         src = Span(plan.de_node, "buf", step.src[0]) if step.src is not None else None
         wb = Span(plan.de_node, "buf", step.wb[0]) if step.wb is not None else None
         dec = await self.c.jobs[plan.route.de].call(
             "decode", request=step.rid, n_prompt=plan.n_prompt, first_token=job.first_token,
-            t_first_token=job.t_first_token + self.t0, gen_len=plan.gen_len, src=src.to_msg() if src else None,
+            t_first_token=job.t_first_token + t0, gen_len=plan.gen_len, src=src.to_msg() if src else None,
             wb=wb.to_msg() if wb else None, first_new_block=plan.first_new_block,
             expect_crcs=job.crcs if plan.moves_kv else None, timeout_s=self.timeout_s)
-        return DecodeOutcome(tokens=dec["tokens"], token_times=[round(t - self.t0, 6) for t in dec["token_times"]],
+        return DecodeOutcome(tokens=dec["tokens"], token_times=[round(t - t0, 6) for t in dec["token_times"]],
                              written_blocks=dec.get("written_blocks", []), block_crcs=dec.get("block_crcs", []),
                              reread_bytes=dec["reread_bytes"], layer_hashes=dec["layer_hashes"],
                              connector=dec.get("connector", ""))

@@ -30,9 +30,11 @@ import zmq.asyncio
 from dualpath.nodes.common import collective_port, jobs_port, load_port
 from dualpath.control import SECRET_BYTES, AsyncRpcClient, Auth, RpcClient
 from dualpath.kv.layouts import BlockGeometry
+from dualpath.model.numerics import PORTABLE_KERNELS
 from dualpath.timeouts import scaled
 from emulators.kvstore.launch import ServerProcess
 from testbed.fabric.cleanup import TMPFS_SOURCE
+from testbed.fabric.remote import best_offset
 from testbed.fabric.network import COMPUTE_BRIDGE, COMPUTE_NET, CONDUCTOR_IP, Endpoint, Fabric, engine_groups
 from testbed.fabric.shell import run
 from testbed.paths import REPO
@@ -47,6 +49,7 @@ STORE_PORT = 7000
 # How long a node process may take to start (import torch, the model, NIXL); in the Soft-RoCE VM
 # (DPT_IN_VM) timeouts scale (dualpath/timeouts.py): every process imports torch at once on two
 # emulated vCPUs there.
+CLOCK_TRIES = 7  # round trips per other server when aligning its clock with this one's
 READY_TIMEOUT_S = float(os.environ.get("DPT_READY_TIMEOUT_S") or scaled(120.0))
 
 class ProcessFailed(RuntimeError):
@@ -117,10 +120,12 @@ def _tail(path: Path, n: int = 1) -> str:
 
 def _remote_env() -> dict[str, str]:
     """What a node process on another server gets set there (here, Popen's env does it): the
-    same as here, and the run's timeout scale (a slow server's, e.g. a TCG guest's)."""
+    same as here, the run's timeout scale (a slow server's, e.g. a TCG guest's) and its kernel
+    choice (dualpath/model/numerics.py: every server computes the same floats)."""
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    if os.environ.get("DPT_TIMEOUT_SCALE"):
-        env["DPT_TIMEOUT_SCALE"] = os.environ["DPT_TIMEOUT_SCALE"]
+    for key in ("DPT_TIMEOUT_SCALE", *PORTABLE_KERNELS):
+        if os.environ.get(key):
+            env[key] = os.environ[key]
     return env
 
 
@@ -151,6 +156,8 @@ class Cluster:
         self.loaders: dict[str, AsyncRpcClient] = {}  # host agents' read queues
         # long commands, many outstanding: host agents' flushes and notification waits, DEs' decodes
         self.jobs: dict[str, AsyncRpcClient] = {}
+        self.clock_offsets: dict[str, float] = {}  # process -> its clock less this one's (other servers only)
+        self.clock_sync: dict[str, dict] = {}  # server -> offset_s, uncertainty_s
         self.transports: dict[str, str] = {}
         self.auth = Auth(secrets.token_bytes(SECRET_BYTES))  # the run's secret, on every control message
         self.tmpfs_stores = dict(tmpfs_stores or {})  # storage server -> bytes of its root's own tmpfs
@@ -304,6 +311,29 @@ class Cluster:
         engines = [n for n, p in self.procs.items() if p.role != "host"]
         for name, c in self.clients.items():  # wire up now, both ways, not during a transfer
             await c.call("connect", peers=engines if name in hosts else hosts, timeout_s=30)
+        await self._align_clocks()
+
+    async def _align_clocks(self, tries: int = CLOCK_TRIES) -> None:
+        """Each other server's CLOCK_MONOTONIC against this one's: the times its processes report
+        (a pass's end, a token's, a store read's) are shifted by it. Cristian's method over the
+        control channel (testbed/fabric/remote.py's best_offset), on one process of the server."""
+        for server in self.fab.remotes:
+            names = [n for n, p in self.procs.items() if self.fab.server_of(p.endpoint.name) is server]
+            if not names:
+                continue
+            readings = []
+            for _ in range(tries):
+                t0 = time.monotonic()
+                there = (await self.clients[names[0]].call("clock", timeout_s=30))["monotonic"]
+                readings.append((t0, there, time.monotonic()))
+            best = best_offset(readings)
+            self.clock_sync[server.name] = {"offset_s": round(best[0], 6), "uncertainty_s": round(best[1], 6)}
+            for n in names:
+                self.clock_offsets[n] = best[0]
+
+    def clock_offset(self, name: str) -> float:
+        """How far process `name`'s monotonic clock is ahead of this one's (0 on this server)."""
+        return self.clock_offsets.get(name, 0.0)
 
     def run(self, coro):
         """Run a coroutine of the conductor on the cluster's event loop. On Ctrl-C its tasks are

@@ -27,10 +27,12 @@ from testbed.cluster.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_D
 from dualpath.store.keys import chain_keys
 from dualpath.control import ControlError
 from testbed.measure.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
-from testbed.measure.monitor import Monitor
+from testbed.measure.monitor import Monitor, busy_share, busy_total
+from testbed.fabric.remote import cpu_fields_of
 from testbed.paths import REPO, code_version, shown_path
 from testbed.cluster.runclock import RUN_BLOCK_TOKENS, RunClock, run_geometry
 from testbed.topology import Topology
+from testbed.placement import placement, spans_servers
 from testbed.cluster.scheduling import STALE_AFTER_S, ServiceRouter
 from testbed.experiments.results import ModeResult, TOLERANCE, _request_bytes, conversation, summarize, write_results
 
@@ -63,9 +65,14 @@ async def _engine_logs(cluster: Cluster, t_origin: float) -> tuple[list[dict], d
                     pass
         return out
 
-    steps = [{**x, "de": de, "t_start": x["t_start"] - t_origin, "t_end": x["t_end"] - t_origin}
+    def origin(name: str) -> float:  # the run's origin on that process's clock
+        return t_origin + cluster.clock_offset(name)
+
+    steps = [{**x, "de": de, "t_start": x["t_start"] - origin(de), "t_end": x["t_end"] - origin(de)}
              for de, xs in (await each(cluster.engines("decode"), "steps", "steps")).items() for x in xs]
-    return steps, await each(list(cluster.loaders), "read_log", "loads")
+    loads = {h: [[t0 - cluster.clock_offset(h), t1 - cluster.clock_offset(h), n] for t0, t1, n in xs]
+             for h, xs in (await each(list(cluster.loaders), "read_log", "loads")).items()}
+    return steps, loads
 
 
 def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Workload, mode: str,
@@ -127,8 +134,10 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     dscp0 = counters.dscp_counters(fab)
     tc0 = time.monotonic()
     pids = cluster.pids()
+    cpu0 = {v.name: cpu_fields_of(v) for v in fab.remotes}  # each other server's CPU, read where it is
     with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon:
         jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
+    cpu1 = {v.name: cpu_fields_of(v) for v in fab.remotes}
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
@@ -137,6 +146,9 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     res.cpu_own = mon.cpu_own()
     res.cpu_steal = mon.cpu_steal()
     res.cpu_threads = mon.cpu_by_thread(pids)
+    res.clock_sync = dict(cluster.clock_sync)
+    res.server_cpu = {name: (round(busy_share(busy_total(cpu0[name]), busy_total(cpu1[name])), 3)
+                             if cpu0[name] and cpu1[name] else None) for name in cpu0}
     res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
     res.agent_jct_s = [max(r.t_done for r in recs if r.trajectory == tid) - t for tid, t in arrivals.items()
@@ -153,7 +165,8 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
 def _judge(res: ModeResult, fab: Fabric, snap: counters.Snapshot, timings: list[dict], requests: list[RequestRecord]) -> None:
     """The mode's fidelity verdict, and its KV bytes per NIC against the path definitions."""
     res.faithful, res.unfaithful_reasons = fidelity_verdict(timings, res.steps, res.cpu_busy, res.links, res.cpu_own,
-                                                            jct_s=res.jct_s, cpu_steal=res.cpu_steal)
+                                                            jct_s=res.jct_s, cpu_steal=res.cpu_steal,
+                                                            server_cpu=res.server_cpu)
     res.fidelity_notes = tolerated_overruns(timings, res.steps) if res.faithful else []
     expected = expected_totals(_request_bytes(r, res.mode) for r in requests if not r.error)
     res.accounting = compare(expected, counters.first_sent(snap), tolerance=TOLERANCE)
@@ -390,6 +403,15 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     return results
 
 
+def cluster_summary(topo: Topology) -> dict[str, Any]:
+    """Where each node and storage server ran, and the kernels every server computed with."""
+    from dualpath.model.numerics import PORTABLE_KERNELS, portable_kernels_set
+
+    where = placement(topo)
+    return {"servers": sorted(set(where.values()), key=list(where.values()).index), "placement": where,
+            "kernels": {"portable": portable_kernels_set(), "env": PORTABLE_KERNELS}}
+
+
 def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir: Path, command: str,
                   modes: tuple[str, ...], progress: Callable[[str], None] = print, transport: str = "tcp",
                   quota_s: float = 0.3, extra: dict[str, Any] | None = None,
@@ -433,6 +455,8 @@ def run_to_folder(topo: Topology, workload: Workload, checkpoint: Path, run_dir:
                     "transport": results[0].transport if results else transport, "device": device,
                     "hosts": spec.hosts, "fabric_s": {k: round(v, 2) for k, v in fab.timings.items()},
                     "workload": workload.config.to_dict(), "code": code_version(), **(extra or {})})
+    if spans_servers(topo):
+        summary["cluster"] = cluster_summary(topo)
     if workload.trace is not None:
         from dualpath.workload.trace import with_run_hits
 

@@ -46,6 +46,8 @@ class ModeResult:
     cpu_own: float = 0.0  # of cpu_busy, the testbed's own processes
     cpu_steal: float = 0.0  # of cpu_busy, what the hypervisor took (a contended host)
     cpu_threads: list = field(default_factory=list)  # where cpu_own went: the busiest threads
+    server_cpu: dict = field(default_factory=dict)  # each other server: its busy share over the run (None: unread)
+    clock_sync: dict = field(default_factory=dict)  # each other server: its clock's offset and uncertainty
     faithful: bool = False
     unfaithful_reasons: list = field(default_factory=list)
     fidelity_notes: list = field(default_factory=list)  # overruns within the allowance (testbed/measure/fidelity.py)
@@ -189,6 +191,7 @@ def _mode_summary(res: ModeResult, geom: BlockGeometry, k: float) -> dict[str, A
         # and whatever else ran on the machine
         "cpu_testbed_processes": round(res.cpu_own, 3),
         "cpu_steal": round(res.cpu_steal, 3),
+        **({"cpu_busy_other_servers": res.server_cpu, "clock_other_servers": res.clock_sync} if res.server_cpu else {}),
         "fidelity": {"prefill_passes": len(res.batches),
                      "prefill_overran": sum(bool(b["timing"]["overran"]) for b in res.batches),
                      "decode_steps": len(res.steps), "decode_overran": sum(bool(x["overran"]) for x in res.steps),

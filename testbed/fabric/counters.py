@@ -91,15 +91,32 @@ def snapshot(fab: Fabric) -> Snapshot:
             _add(snap.drops, key, sum(d for c, (_, _, d) in stats.items() if c != ROOT_CLASS))
     if getattr(fab, "net", None) is not None:  # a live Mininet (a stand-in fabric has none)
         by_ip = {nic.ip: nic for nic in fab.nics}
-        # this machine's namespaces only: another server's TCP re-sends are not charged (docs/cluster.md)
-        for ep in getattr(fab, "local_endpoints", fab.endpoints):
-            snap.retransmitted[ep.name] = tcp_retransmitted_segments(Path(f"/proc/{fab.net[ep.name].pid}/net/snmp"))
-            for (lip, lport, rip, rport), n in parse_ss_resent(run(["ss", "-tinHO"], ns=ep.name, check=False)).items():
+        for ep in fab.endpoints:
+            snmp, sockets = _tcp_state(fab, ep.name)
+            snap.retransmitted[ep.name] = retransmitted_segments(snmp)
+            for (lip, lport, rip, rport), n in parse_ss_resent(sockets).items():
                 keys = tuple((_owner(fab, nic), nic.kind, direction)
                              for nic, direction in ((by_ip.get(lip), "tx"), (by_ip.get(rip), "rx"))
                              if nic is not None and _in_measured_class(fab, nic, lport, rport))
                 snap.resent_sockets[(ep.name, lip, lport, rip, rport)] = (n, keys)
     return snap
+
+
+def _tcp_state(fab: Fabric, ns: str) -> tuple[str, str]:
+    """(/proc/net/snmp, `ss -tinHO`) of a namespace: read here, or over SSH on the server that
+    holds it (one command for both)."""
+    if fab.server_of(ns) is None:
+        try:
+            snmp = Path(f"/proc/{fab.net[ns].pid}/net/snmp").read_text()
+        except OSError:
+            snmp = ""
+        return snmp, run(["ss", "-tinHO"], ns=ns, check=False)
+    out = fab.run_in(ns, ["sh", "-c", f"cat /proc/net/snmp; echo {_SPLIT}; ss -tinHO"])
+    snmp, _, sockets = out.partition(_SPLIT + "\n")
+    return snmp, sockets
+
+
+_SPLIT = "--dpt-split--"
 
 
 def _has_classes(fab: Fabric, nic) -> bool:
@@ -132,12 +149,9 @@ def parse_ss_resent(text: str) -> dict[tuple[str, int, str, int], int]:
     return out
 
 
-def tcp_retransmitted_segments(snmp: Path) -> int:
-    """Tcp RetransSegs of the namespace whose /proc/<pid>/net/snmp this is (0 if it is gone)."""
-    try:
-        rows = [line.split() for line in snmp.read_text().splitlines() if line.startswith("Tcp:")]
-    except OSError:
-        return 0
+def retransmitted_segments(snmp: str) -> int:
+    """Tcp RetransSegs from a namespace's /proc/net/snmp text (0 if it has none)."""
+    rows = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")]
     if len(rows) < 2 or "RetransSegs" not in rows[0]:
         return 0
     return int(rows[1][rows[0].index("RetransSegs")])

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualpath.model.registry import prepare_tiny
 from dualpath.naming import PREFIX
 from testbed.fabric.shell import run
 from testbed.paths import REPO
@@ -193,22 +194,27 @@ def _same_commit(checks: list[Check], here: str) -> list[Check]:
     return out
 
 
+def best_offset(readings: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(offset, uncertainty) of another clock from readings (sent, its reading, received) on
+    this one (Cristian's method): its reading against the midpoint of the quickest round trip,
+    uncertain by half that round trip."""
+    t0, there, t1 = min(readings, key=lambda r: r[2] - r[0])
+    return there - (t0 + t1) / 2, (t1 - t0) / 2
+
+
 def clock_offset(server: ServerSpec, tries: int = 3) -> tuple[float, float] | None:
-    """(offset, uncertainty) in seconds of the server's wall clock against this one's: the
-    remote reading against the midpoint of the tightest round trip over the shared connection."""
-    best: tuple[float, float] | None = None
+    """(offset, uncertainty) in seconds of the server's wall clock against this one's, read over
+    the shared connection (best_offset)."""
+    readings = []
     for _ in range(tries):
         t0 = time.time()
         proc = run_on(server, ["date", "+%s.%N"], timeout=15)
         t1 = time.time()
         try:
-            remote = float(proc.stdout.strip())
+            readings.append((t0, float(proc.stdout.strip()), t1))
         except ValueError:
             return None
-        guess = (remote - (t0 + t1) / 2, (t1 - t0) / 2)
-        if best is None or guess[1] < best[1]:
-            best = guess
-    return best
+    return best_offset(readings)
 
 
 def _clock_check(server: ServerSpec) -> Check:
@@ -246,12 +252,64 @@ def _mtu_check(server: ServerSpec, need: int, toward: str) -> Check:
                  f"tunnel's header) from it to {toward} failed ({why}); fix: {fix}")
 
 
+NUMERICS_TIMEOUT_S = 300.0  # a torch import and the demo model's probe: about 25 s in the TCG guest
+
+
+def cpu_fields_of(server: ServerSpec) -> list[int] | None:
+    """The jiffies of /proc/stat's cpu line on the server, or None when it could not be read."""
+    p = run_on(server, ["head", "-n1", "/proc/stat"], timeout=SSH_TIMEOUT_S)
+    parts = p.stdout.split()
+    if p.returncode != 0 or len(parts) < 9 or parts[0] != "cpu" or not all(x.isdigit() for x in parts[1:]):
+        return None
+    return [int(x) for x in parts[1:]]
+
+
+def numerics_hash(server: ServerSpec | None, checkpoint: Path) -> tuple[str | None, str]:
+    """(hash, '') of `python -m dualpath.model.numerics` on the server (None: this machine), or
+    (None, why it gave none)."""
+    argv = [sys.executable if server is None else python_of(server), "-m", "dualpath.model.numerics", str(checkpoint)]
+    env_set = ["env", f"PYTHONPATH={REPO}", "OMP_NUM_THREADS=1"]
+    if server is None:
+        p = subprocess.run([*env_set, *argv], cwd=REPO, capture_output=True, text=True, timeout=NUMERICS_TIMEOUT_S)
+    else:
+        p = run_on(server, ["bash", "-c", f"cd {shlex.quote(str(REPO))} && {shlex.join([*env_set, *argv])}"],
+                   timeout=NUMERICS_TIMEOUT_S)
+    out = p.stdout.strip()
+    if p.returncode == 0 and re.fullmatch(r"[0-9a-f]{16}", out):
+        return out, ""
+    return None, _last_line(p.stderr) or _last_line(out) or f"exit {p.returncode}"
+
+
+def _numerics_check(server: ServerSpec, checkpoint: Path, want: str) -> Check:
+    """The server computes the demo model's probe to this machine's bits with the portable
+    kernels (dualpath/model/numerics.py), or its tokens would not verify against the reference."""
+    got, why = numerics_hash(server, checkpoint)
+    if got is None:
+        return Check(server.name, "numerics", False, f"no probe hash ({why}); fix: the checkout's build/checkpoints "
+                     "must be there too (copy it, or run make setup there)")
+    if got != want:
+        return Check(server.name, "numerics", False, f"the demo model's probe hashes {got} there, {want} here with the "
+                     "same portable kernels; fix: the same torch version on every server (its MKL and kernels)")
+    return Check(server.name, "numerics", True, f"the demo model's probe hashes {got}, as here (portable kernels)")
+
+
+def _numerics_here_and(server: ServerSpec, checkpoint: Path, here_hash: list) -> Check:
+    if not here_hash:
+        here_hash.append(numerics_hash(None, checkpoint))
+    want, why = here_hash[0]
+    if want is None:
+        return Check(server.name, "numerics", False, f"this machine gave no probe hash ({why})")
+    return _numerics_check(server, checkpoint, want)
+
+
 def prepare(topo: Topology) -> list[Check]:
     """Every check on every server of the topology, this machine's first."""
     here = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     need = topo.spec.mtu + overhead_bytes(topo)
     apart = {name for c in crossings(topo) for name in (c.a, c.b)}
     toward: str | RuntimeError | None = None  # this machine's tunnel address, looked up once
+    checkpoint = prepare_tiny()  # the model `dualpath run` loads unless told otherwise
+    here_hash: list = []  # this machine's probe, computed once when a remote server needs it
     checks: list[Check] = []
     for v in servers(topo):
         got = _same_commit(check_server(v, topo.spec.tunnel), here)
@@ -266,6 +324,7 @@ def prepare(topo: Topology) -> list[Check]:
                         toward = e
                 checks.append(_mtu_check(v, need, toward) if isinstance(toward, str)
                               else Check(v.name, "path MTU", False, str(toward)))
+            checks.append(_numerics_here_and(v, checkpoint, here_hash))
         close(v)
     return checks
 

@@ -91,11 +91,13 @@ def _overruns(kind: str, recs: list[dict]) -> tuple[str, bool] | None:
 
 def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
             links: Iterable[LinkUse], cpu_own: float | None = None,
-            jct_s: float | None = None, cpu_steal: float = 0.0) -> tuple[bool, list[str]]:
+            jct_s: float | None = None, cpu_steal: float = 0.0,
+            server_cpu: dict[str, float] | None = None) -> tuple[bool, list[str]]:
     """(faithful, reasons). `passes` and `steps` are PassTiming dicts with "overran";
     `cpu_own`, if known, is the testbed's own processes' share of the CPU (said in the reason);
     `jct_s` (testbed s), if known, bounds the lateness of all passes and steps together;
-    `cpu_steal`, the hypervisor's share of the CPU, is named where it is part of a reason."""
+    `cpu_steal`, the hypervisor's share of the CPU, is named where it is part of a reason;
+    `server_cpu`, each other server's busy share of its own cores over the run (None: unread)."""
     reasons = []
     passes, steps = list(passes), list(steps)
     for kind, recs in (("prefill passes", passes), ("decode steps", steps)):
@@ -111,6 +113,12 @@ def verdict(passes: Iterable[dict], steps: Iterable[dict], cpu_busy: float,
         own += f"; the hypervisor's steal {cpu_steal:.0%}" if cpu_steal >= 0.01 else ""
         reasons.append(f"CPU busy {cpu_busy:.0%} of both cores over the run (limit {CPU_BUSY_MAX:.0%}{own}): "
                        f"the host, not the emulated cluster, set the pace")
+    for name, busy in (server_cpu or {}).items():
+        if busy is None:
+            reasons.append(f"server {name}: its CPU could not be read over SSH, so nothing says it kept up")
+        elif busy > CPU_BUSY_MAX:
+            reasons.append(f"server {name}: CPU busy {busy:.0%} of its cores over the run (limit {CPU_BUSY_MAX:.0%}): "
+                           "that server, not the emulated cluster, set the pace")
     for u in links:
         if u.should_saturate and u.rate_share < SATURATION_MIN:
             reasons.append(f"{u.nic} was the bottleneck ({u.busy_share:.0%} of the run busy) but carried "

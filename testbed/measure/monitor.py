@@ -29,11 +29,20 @@ def cpu_fields() -> list[int]:
     return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
 
 
-def _read_cpu() -> tuple[int, int]:
-    fields = cpu_fields()
+def busy_total(fields: list[int]) -> tuple[int, int]:
+    """(busy, total) jiffies from /proc/stat's cpu line, any machine's."""
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Share of all cores busy between two busy_total readings (0..1)."""
+    return (after[0] - before[0]) / max(after[1] - before[1], 1)
+
+
+def _read_cpu() -> tuple[int, int]:
+    return busy_total(cpu_fields())
 
 
 def read_steal() -> tuple[int, int]:

@@ -86,6 +86,7 @@ def e2e_lines(summary: dict) -> list[str]:
     if summary.get("device", "cpu") != "cpu":
         lines.append(f"engines computed on {summary['device']}: weights and KV in GPU memory, staged through "
                      f"page-locked host memory; checked against a recomputation on {summary['device']}")
+    lines.extend(cluster_lines(summary))
     sampled = next((m["verification"]["sample"] for m in summary["modes"].values()
                     if "sample" in m["verification"]), None)
     if sampled:
@@ -130,6 +131,25 @@ def e2e_lines(summary: dict) -> list[str]:
                      f"{','.join(c.get('modes', []))}: every check above applies to it")
     bad = failed_checks(summary)
     lines.extend(["FAILED checks:", *(f"  {x}" for x in bad)] if bad else ["every check passed"])
+    return lines
+
+
+def cluster_lines(summary: dict) -> list[str]:
+    """A run over several servers: which server ran which node, each other server's CPU per mode,
+    and the kernels every process computed with (dualpath/model/numerics.py)."""
+    if "cluster" not in summary:
+        return []
+    c = summary["cluster"]
+    held = {srv: [u for u, s in c["placement"].items() if s == srv] for srv in c["servers"]}
+    kernels = ("every process computed with the portable kernels ("
+               + ", ".join(f"{k}={v}" for k, v in c["kernels"]["env"].items()) + ")" if c["kernels"]["portable"]
+               else "the kernels were NOT the portable ones: tokens may differ between servers")
+    lines = ["servers: " + "; ".join(f"{srv} ran {', '.join(us)}" for srv, us in held.items()) + f"; {kernels}"]
+    busy = {m: v.get("cpu_busy_other_servers") for m, v in summary.get("modes", {}).items()}
+    if any(busy.values()):
+        lines.append("other servers' CPU busy over each mode: " + "; ".join(
+            f"{m} " + ", ".join(f"{srv} {'unread' if b is None else f'{b:.0%}'}" for srv, b in v.items())
+            for m, v in busy.items() if v))
     return lines
 
 
