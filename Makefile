@@ -36,7 +36,7 @@ vm-guest-test: setup
 
 # One topology over two servers: this machine and a QEMU guest of the VM image, joined by VXLAN
 # tunnels (docs/cluster.md): prepare, the fabric across both, traffic through it, cleanup after
-# down and after a SIGKILL. results/cluster/<run-id>/summary.json. CLUSTER_TEST_ARGS=--run also runs
-# every mode with d0's processes in the guest (slow under TCG: docs/cluster.md).
+# down and after a SIGKILL, and `dualpath run` through every mode with d0's processes in the guest
+# (about 24 minutes under TCG; CLUSTER_TEST_ARGS=--no-run skips it). results/cluster/<run-id>/summary.json.
 cluster-test: setup
 	@$(PY) scripts/cluster/cluster_test.py $(CLUSTER_TEST_ARGS)
