@@ -408,7 +408,7 @@ def cluster_summary(topo: Topology) -> dict[str, Any]:
     from dualpath.model.numerics import PORTABLE_KERNELS, portable_kernels_set
 
     where = placement(topo)
-    return {"servers": sorted(set(where.values()), key=list(where.values()).index), "placement": where,
+    return {"servers": list(dict.fromkeys(where.values())), "placement": where,
             "kernels": {"portable": portable_kernels_set(), "env": PORTABLE_KERNELS}}
 
 
