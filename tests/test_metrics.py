@@ -132,3 +132,12 @@ def test_another_server_busy_or_unread_makes_the_run_unfaithful():
     ok, reasons = verdict([], [], 0.3, [], server_cpu={"b": None})
     assert not ok and "could not be read" in reasons[0]
     assert verdict([], [], 0.3, [], server_cpu={"b": 0.5}) == (True, [])
+
+
+def test_other_servers_cpu_is_read_at_the_start_and_the_end():
+    from testbed.measure.monitor import ServersCpu
+
+    readings = {"b": iter([[100, 0, 50, 800, 50, 0, 0, 0], [1050, 0, 90, 820, 50, 0, 0, 0]]), "c": iter([None, None])}
+    with ServersCpu({name: (lambda it=it: next(it)) for name, it in readings.items()}) as others:
+        pass
+    assert others.busy() == {"b": pytest.approx(0.98, abs=1e-3), "c": None}

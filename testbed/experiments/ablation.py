@@ -6,6 +6,7 @@ and kernel counters -> verification and accounting -> results/<experiment>/<run>
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from testbed.cluster.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_D
 from dualpath.store.keys import chain_keys
 from dualpath.control import ControlError
 from testbed.measure.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
-from testbed.measure.monitor import Monitor, busy_share, busy_total
+from testbed.measure.monitor import Monitor, ServersCpu
 from testbed.fabric.remote import cpu_fields_of
 from testbed.paths import REPO, code_version, shown_path
 from testbed.cluster.runclock import RUN_BLOCK_TOKENS, RunClock, run_geometry
@@ -134,21 +135,16 @@ def _run_mode(cluster: Cluster, fab: Fabric, geom: BlockGeometry, workload: Work
     dscp0 = counters.dscp_counters(fab)
     tc0 = time.monotonic()
     pids = cluster.pids()
-    cpu0 = {v.name: cpu_fields_of(v) for v in fab.remotes}  # each other server's CPU, read where it is
-    with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon:
+    others = ServersCpu({v.name: functools.partial(cpu_fields_of, v) for v in fab.remotes})  # read where they are
+    with Monitor(devs, interval_s=0.25, pids=list(pids)) as mon, others:
         jct, warm, app_bytes, co, decisions, window, steps, loads = cluster.run(go())
-    cpu1 = {v.name: cpu_fields_of(v) for v in fab.remotes}
     snap = counters.delta(counters.snapshot(fab), before)
     res = ModeResult(mode, recs, jct, snap, app_bytes,
                      mon.cpu_busy(), mon.cpu_peak(mon.samples[0].t, mon.samples[-1].t, 1.0))
     res.dscp = counters.dscp_delta(counters.dscp_counters(fab), dscp0)
     res.counters_s = time.monotonic() - tc0
-    res.cpu_own = mon.cpu_own()
-    res.cpu_steal = mon.cpu_steal()
-    res.cpu_threads = mon.cpu_by_thread(pids)
-    res.clock_sync = dict(cluster.clock_sync)
-    res.server_cpu = {name: (round(busy_share(busy_total(cpu0[name]), busy_total(cpu1[name])), 3)
-                             if cpu0[name] and cpu1[name] else None) for name in cpu0}
+    res.cpu_own, res.cpu_steal, res.cpu_threads = mon.cpu_own(), mon.cpu_steal(), mon.cpu_by_thread(pids)
+    res.server_cpu, res.clock_sync = others.busy(), dict(cluster.clock_sync)
     res.samples = _time_series(mon, fab, co.t0)
     res.batches = co.batches
     res.agent_jct_s = [max(r.t_done for r in recs if r.trajectory == tid) - t for tid, t in arrivals.items()

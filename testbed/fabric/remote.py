@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dualpath.model.registry import prepare_tiny
 from dualpath.naming import PREFIX
 from testbed.fabric.shell import run
 from testbed.paths import REPO
@@ -308,6 +307,8 @@ def prepare(topo: Topology) -> list[Check]:
     need = topo.spec.mtu + overhead_bytes(topo)
     apart = {name for c in crossings(topo) for name in (c.a, c.b)}
     toward: str | RuntimeError | None = None  # this machine's tunnel address, looked up once
+    from dualpath.model.registry import prepare_tiny  # (torch: only prepare needs it, not a fabric)
+
     checkpoint = prepare_tiny()  # the model `dualpath run` loads unless told otherwise
     here_hash: list = []  # this machine's probe, computed once when a remote server needs it
     checks: list[Check] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,28 @@ def _read_bytes(dev: str) -> tuple[int, int]:
         return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
     except OSError:
         return (0, 0)
+
+
+class ServersCpu:
+    """Other servers' CPU over a measurement: each one's /proc/stat cpu fields read at the start
+    and the end by `readers` (server -> a call returning them, or None when it could not)."""
+
+    def __init__(self, readers: dict[str, Callable[[], list[int] | None]]) -> None:
+        self.readers = readers
+        self.start: dict[str, list[int] | None] = {}
+        self.end: dict[str, list[int] | None] = {}
+
+    def __enter__(self) -> "ServersCpu":
+        self.start = {name: read() for name, read in self.readers.items()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = {name: read() for name, read in self.readers.items()}
+
+    def busy(self) -> dict[str, float | None]:
+        """Each server's busy share of its cores between the two readings (None: unread)."""
+        return {name: round(busy_share(busy_total(a), busy_total(b)), 3) if (a := self.start[name]) and
+                (b := self.end.get(name)) else None for name in self.start}
 
 
 class Monitor:
