@@ -49,11 +49,11 @@ def test_the_cli_module_needs_a_checkpoint():
 def test_a_server_that_hashes_otherwise_is_a_problem(monkeypatch):
     srv = ServerSpec(name="b", ssh="root@192.0.2.9")
     monkeypatch.setattr(remote, "numerics_hash", lambda server, ckpt: ("0123456789abcdef", ""))
-    assert remote._numerics_check(srv, demo_checkpoint(), "0123456789abcdef").ok
-    bad = remote._numerics_check(srv, demo_checkpoint(), "fedcba9876543210")
+    assert remote._numerics_check(srv, demo_checkpoint(), ("0123456789abcdef", "")).ok
+    bad = remote._numerics_check(srv, demo_checkpoint(), ("fedcba9876543210", ""))
     assert not bad.ok and "0123456789abcdef there, fedcba9876543210 here" in bad.detail
     monkeypatch.setattr(remote, "numerics_hash", lambda server, ckpt: (None, "No module named torch"))
-    none = remote._numerics_check(srv, demo_checkpoint(), "fedcba9876543210")
+    none = remote._numerics_check(srv, demo_checkpoint(), ("fedcba9876543210", ""))
     assert not none.ok and "No module named torch" in none.detail
 
 

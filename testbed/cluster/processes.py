@@ -49,8 +49,10 @@ STORE_PORT = 7000
 # How long a node process may take to start (import torch, the model, NIXL); in the Soft-RoCE VM
 # (DPT_IN_VM) timeouts scale (dualpath/timeouts.py): every process imports torch at once on two
 # emulated vCPUs there.
-CLOCK_TRIES = 7  # round trips per other server when aligning its clock with this one's
 READY_TIMEOUT_S = float(os.environ.get("DPT_READY_TIMEOUT_S") or scaled(120.0))
+
+CLOCK_TRIES = 7  # round trips per other server when aligning its clock with this one's
+
 
 class ProcessFailed(RuntimeError):
     pass

@@ -102,6 +102,9 @@ def snapshot(fab: Fabric) -> Snapshot:
     return snap
 
 
+_SPLIT = "--dpt-split--"  # between the two outputs of _tcp_state's one remote command
+
+
 def _tcp_state(fab: Fabric, ns: str) -> tuple[str, str]:
     """(/proc/net/snmp, `ss -tinHO`) of a namespace: read here, or over SSH on the server that
     holds it (one command for both)."""
@@ -114,9 +117,6 @@ def _tcp_state(fab: Fabric, ns: str) -> tuple[str, str]:
     out = fab.run_in(ns, ["sh", "-c", f"cat /proc/net/snmp; echo {_SPLIT}; ss -tinHO"])
     snmp, _, sockets = out.partition(_SPLIT + "\n")
     return snmp, sockets
-
-
-_SPLIT = "--dpt-split--"
 
 
 def _has_classes(fab: Fabric, nic) -> bool:

@@ -279,9 +279,13 @@ def numerics_hash(server: ServerSpec | None, checkpoint: Path) -> tuple[str | No
     return None, _last_line(p.stderr) or _last_line(out) or f"exit {p.returncode}"
 
 
-def _numerics_check(server: ServerSpec, checkpoint: Path, want: str) -> Check:
-    """The server computes the demo model's probe to this machine's bits with the portable
-    kernels (dualpath/model/numerics.py), or its tokens would not verify against the reference."""
+def _numerics_check(server: ServerSpec, checkpoint: Path, here: tuple[str | None, str]) -> Check:
+    """The server computes the demo model's probe to this machine's bits (`here`: numerics_hash
+    of this machine) with the portable kernels (dualpath/model/numerics.py), or its tokens would
+    not verify against the reference."""
+    want, why_not_here = here
+    if want is None:
+        return Check(server.name, "numerics", False, f"this machine gave no probe hash ({why_not_here})")
     got, why = numerics_hash(server, checkpoint)
     if got is None:
         return Check(server.name, "numerics", False, f"no probe hash ({why}); fix: the checkout's build/checkpoints "
@@ -290,15 +294,6 @@ def _numerics_check(server: ServerSpec, checkpoint: Path, want: str) -> Check:
         return Check(server.name, "numerics", False, f"the demo model's probe hashes {got} there, {want} here with the "
                      "same portable kernels; fix: the same torch version on every server (its MKL and kernels)")
     return Check(server.name, "numerics", True, f"the demo model's probe hashes {got}, as here (portable kernels)")
-
-
-def _numerics_here_and(server: ServerSpec, checkpoint: Path, here_hash: list) -> Check:
-    if not here_hash:
-        here_hash.append(numerics_hash(None, checkpoint))
-    want, why = here_hash[0]
-    if want is None:
-        return Check(server.name, "numerics", False, f"this machine gave no probe hash ({why})")
-    return _numerics_check(server, checkpoint, want)
 
 
 def prepare(topo: Topology) -> list[Check]:
@@ -310,7 +305,7 @@ def prepare(topo: Topology) -> list[Check]:
     from dualpath.model.registry import prepare_tiny  # (torch: only prepare needs it, not a fabric)
 
     checkpoint = prepare_tiny()  # the model `dualpath run` loads unless told otherwise
-    here_hash: list = []  # this machine's probe, computed once when a remote server needs it
+    here_hash = numerics_hash(None, checkpoint)  # what every other server's probe must give
     checks: list[Check] = []
     for v in servers(topo):
         got = _same_commit(check_server(v, topo.spec.tunnel), here)
@@ -325,7 +320,7 @@ def prepare(topo: Topology) -> list[Check]:
                         toward = e
                 checks.append(_mtu_check(v, need, toward) if isinstance(toward, str)
                               else Check(v.name, "path MTU", False, str(toward)))
-            checks.append(_numerics_here_and(v, checkpoint, here_hash))
+            checks.append(_numerics_check(v, checkpoint, here_hash))
         close(v)
     return checks
 

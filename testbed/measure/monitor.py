@@ -169,7 +169,7 @@ class Monitor:
     def cpu_busy(self, t0: float | None = None, t1: float | None = None) -> float:
         """Share of all cores busy over the window (0..1)."""
         a, b = self.window(t0 if t0 is not None else -1e18, t1 if t1 is not None else 1e18)
-        return (b.cpu_busy - a.cpu_busy) / max(b.cpu_total - a.cpu_total, 1)
+        return busy_share((a.cpu_busy, a.cpu_total), (b.cpu_busy, b.cpu_total))
 
     def cpu_own(self) -> float:
         """Share of all cores the watched processes used over the whole run (0..1). Kernel
@@ -193,5 +193,5 @@ class Monitor:
                 j += 1
             if j < len(inside):
                 e = inside[j]
-                peak = max(peak, (e.cpu_busy - s.cpu_busy) / max(e.cpu_total - s.cpu_total, 1))
+                peak = max(peak, busy_share((s.cpu_busy, s.cpu_total), (e.cpu_busy, e.cpu_total)))
         return peak
