@@ -17,7 +17,7 @@ from testbed.cluster.processes import Cluster
 def _bare_cluster(loop: asyncio.AbstractEventLoop, mounts: dict[Path, int]) -> Cluster:
     c = Cluster.__new__(Cluster)  # no fabric: only what stop() touches
     c.clients, c.loaders, c.jobs, c.procs, c.stores = {}, {}, {}, {}, []
-    c.loop, c.ctx, c.disk_mounts = loop, None, dict(mounts)
+    c.loop, c.ctx, c.disk_mounts, c.remote_roots = loop, None, dict(mounts), {}
     return c
 
 
@@ -54,3 +54,36 @@ def test_a_clean_stop_raises_nothing_and_unmounts(monkeypatch, tmp_path):
     c.stop()
     assert sorted(x[-1] for x in calls) == [str(tmp_path / "a"), str(tmp_path / "b")]
 
+
+
+def test_a_store_folder_on_another_server_goes_after_its_server(monkeypatch, tmp_path):
+    import testbed.fabric.remote as remote
+    from testbed.topology_servers import ServerSpec
+
+    calls = []
+    monkeypatch.setattr(remote, "run_on", lambda server, argv, **kw: calls.append((server.name, argv)) or
+                        __import__("subprocess").CompletedProcess(argv, 0, "", ""))
+    c = _bare_cluster(asyncio.new_event_loop(), {})
+    b = ServerSpec(name="b", ssh="root@192.0.2.1")
+    c.remote_roots = {tmp_path / "store" / "dpt-s0": (b, "dpt-s0")}
+    c.stop()
+    [(server, argv)] = calls
+    script = argv[-1]
+    assert server == "b" and argv[:2] == ["bash", "-c"]
+    # its namespace's processes end (by pid, in that namespace only) before the folder goes
+    assert script.index("ip netns pids dpt-s0") < script.index(f"rm -rf -- {tmp_path / 'store' / 'dpt-s0'}")
+    assert c.remote_roots == {}
+
+
+def test_a_store_folder_that_cannot_be_removed_is_an_error_after_every_other_step(monkeypatch, tmp_path):
+    import testbed.fabric.remote as remote
+    from testbed.topology_servers import ServerSpec
+
+    monkeypatch.setattr(remote, "run_on", lambda server, argv, **kw:
+                        __import__("subprocess").CompletedProcess(argv, 255, "", "ssh: connect: No route to host"))
+    monkeypatch.setattr(cluster_mod, "run", lambda argv, **kw: None)
+    c = _bare_cluster(asyncio.new_event_loop(), {tmp_path / "m": 1})
+    c.remote_roots = {tmp_path / "r": (ServerSpec(name="b", ssh="root@192.0.2.1"), "dpt-s0")}
+    with pytest.raises(RuntimeError, match="server b: could not remove the store folder .*No route to host"):
+        c.stop()
+    assert c.disk_mounts == {}  # the unmount before it still ran

@@ -125,15 +125,67 @@ def test_each_server_fabric_holds_only_its_part():
         Fabric(load_topology(EXAMPLE), server="zz")
 
 
-def test_a_storage_server_elsewhere_is_refused_before_processes_start():
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from dualpath.model.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", seed=0, kind="qwen2", num_hidden_layers=2)
+
+
+def _cluster_on(raw: dict, run_dir, ckpt):
+    """A Cluster over a fabric plan, built the one way a run builds it; nothing is started."""
     from testbed.cluster.processes import Cluster
+    from testbed.cluster.runclock import run_geometry
     from testbed.fabric.network import Fabric
 
+    return Cluster.for_topology(Fabric(parse_topology(raw)), run_dir, ckpt, run_geometry(ckpt))
+
+
+def test_a_storage_server_elsewhere_starts_there_with_its_folder_on_that_server(tmp_path, tiny_ckpt):
     raw = copy.deepcopy(RAW)
     raw["place"] = {"s0": "b"}
-    with pytest.raises(ValueError, match="storage server on another server"):
-        Cluster.for_topology(Fabric(parse_topology(raw)), REPO, REPO, None)
+    c = _cluster_on(raw, tmp_path, tiny_ckpt)
+    try:
+        ep = next(e for e in c.fab.endpoints if e.kind == "storage")
+        sp = c._store_process(ep, [])
+        root = tmp_path / "store" / "dpt-s0"
+        assert sp.argv[0] == "ssh" and sp.argv[-2] == "root@192.168.50.12"
+        assert f"ip netns exec dpt-s0 {sys.executable} -m emulators.kvstore" in sp.argv[-1]
+        assert f"--root {root}" in sp.argv[-1] and "PYTHONPATH=" in sp.argv[-1]
+        assert not sp.root_here and c.remote_roots == {root: (c.fab.server_of("dpt-s0"), "dpt-s0")}
+    finally:
+        c.loop.close()
 
+
+def test_a_storage_server_here_keeps_its_folder_here(tmp_path, tiny_ckpt):
+    c = _cluster_on(copy.deepcopy(RAW), tmp_path, tiny_ckpt)
+    try:
+        sp = c._store_process(next(e for e in c.fab.endpoints if e.kind == "storage"), [])
+        assert sp.argv[:4] == ["ip", "netns", "exec", "dpt-s0"] and sp.root_here and c.remote_roots == {}
+    finally:
+        c.loop.close()
+
+
+def test_a_disk_full_store_elsewhere_is_refused(tmp_path, tiny_ckpt):
+    raw = copy.deepcopy(RAW)
+    raw["place"] = {"s0": "b"}
+    c = _cluster_on(raw, tmp_path, tiny_ckpt)
+    c.tmpfs_stores = {"dpt-s0": 1 << 20}
+    try:
+        with pytest.raises(ValueError, match="disk-full fault on dpt-s0 needs it on this server"):
+            c._store_process(next(e for e in c.fab.endpoints if e.kind == "storage"), [])
+        assert c.disk_mounts == {}
+    finally:
+        c.loop.close()
+
+
+def test_a_fault_on_another_server_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "t.yaml"
+    bad.write_text(yaml.safe_dump({**RAW, "place": {"d0": "b", "s0": "b"}}))
+    for fault, target in (("de-kill@1", "dpt-d0e0"), ("store-crash@1", "dpt-s0"), ("snic-down:d0@1", "dpt-d0")):
+        r = dualpath("run", str(bad), "--fault", fault, "--modes", "dualpath")
+        assert r.returncode == 2 and f"{target} runs on server b" in r.stderr, (fault, r.stderr)
+        assert "Traceback" not in r.stderr
 
 def _closed_port() -> int:
     with socket.socket() as s:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dualpath.store.protocol import parse_address
 
@@ -33,13 +33,19 @@ class ServerProcess:
         startup_timeout_s: float = 30.0,
         block_bytes: int = 0,
         module: str = "emulators.kvstore",
+        wrap: Callable[[list[str]], list[str]] | None = None,
+        root_here: bool = True,
     ) -> None:
         """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
         a run passes its Full Block size so a put of any other size is refused. `module`: the
-        server to run (emulators.mooncake_store for a Mooncake Store storage host)."""
+        server to run (emulators.mooncake_store for a Mooncake Store storage host). `wrap`, in
+        place of `argv_prefix`: the whole command line made into the one that runs it where the
+        server lives (the testbed's Fabric.exec_argv: in a namespace here, or over SSH on another
+        server, whose python it picks). `root_here`: False when `root` is on another server (the
+        server makes it there)."""
         self.root = Path(root)
-        self.argv = [
-            *argv_prefix,
+        self.root_here = root_here
+        core = [
             python,
             "-m",
             module,
@@ -52,6 +58,7 @@ class ServerProcess:
             *(["--block-bytes", str(block_bytes)] if block_bytes else []),
             *extra_args,
         ]
+        self.argv = wrap(core) if wrap is not None else [*argv_prefix, *core]
         self.log_path = Path(log_path) if log_path is not None else self.root.parent / f"{self.root.name}.server.log"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
@@ -60,7 +67,8 @@ class ServerProcess:
     def start(self) -> tuple[str, int]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root_here:
+            self.root.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT)
         try:

@@ -390,12 +390,16 @@ def _faults(t, texts: list[str]) -> list:
     if not texts:
         return []
     from testbed.fabric.network import plan
-    from testbed.cluster.faults import FaultError, parse_faults, topology_names
+    from testbed.cluster.faults import FaultError, check_on_first_server, parse_faults, topology_names
 
     if t.spec.store == "mooncake":  # its durability is DRAM's: the faults test guarantees it does not make
         _fail("--fault: the fault runs need the 3FS-like store (store: 3fs-like); Mooncake Store keeps blocks in "
               "the storage hosts' DRAM (dualpath/store/mooncake.py)")
+    from testbed.placement import server_of_namespace, servers
+
     try:
-        return parse_faults(texts, topology_names(plan(t)))
+        specs = parse_faults(texts, topology_names(plan(t)))
+        check_on_first_server(specs, lambda ns: server_of_namespace(t, ns), servers(t)[0].name)
+        return specs
     except FaultError as e:
         _fail(str(e))

@@ -123,6 +123,17 @@ def parse_faults(texts: list[str], topo_names: dict[str, list[str]]) -> list[Fau
     return sorted((parse_fault(t, topo_names) for t in texts), key=lambda f: f.at_s)
 
 
+def check_on_first_server(specs: list[FaultSpec], server_of: Callable[[str], str], first: str) -> None:
+    """A fault acts on this machine: it kills a process by its pid here, sets a bridge port down
+    here, flips a bit or fills a disk in a folder here. One whose target runs on another server
+    (testbed/placement.py's `server_of` a namespace) is refused, in one line, before anything starts."""
+    for f in specs:
+        where = server_of(f.target)
+        if where != first:
+            raise FaultError(f"--fault {f.text!r}: {f.target} runs on server {where}; faults act on the first "
+                             f"server's ({first}) processes, links and disks only: target one placed there")
+
+
 def topology_names(endpoints) -> dict[str, list[str]]:
     """The names --fault may target, from a fabric plan (testbed.fabric.network.plan)."""
     out: dict[str, list[str]] = {"prefill_nodes": [], "decode_nodes": [], "prefill_engines": [],

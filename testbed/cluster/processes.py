@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from testbed.fabric.shell import run
 from testbed.paths import REPO
 
 if TYPE_CHECKING:
+    from testbed.topology_servers import ServerSpec
     from dualpath.kv.plugin import ConnectorRef
 
 CONTROL_PORT = 5555  # outside the kv port range: control rides the model class
@@ -164,6 +166,7 @@ class Cluster:
         self.auth = Auth(secrets.token_bytes(SECRET_BYTES))  # the run's secret, on every control message
         self.tmpfs_stores = dict(tmpfs_stores or {})  # storage server -> bytes of its root's own tmpfs
         self.disk_mounts: dict[Path, int] = {}  # store roots mounted here (unmounted at stop)
+        self.remote_roots: dict[Path, tuple[ServerSpec, str]] = {}  # store roots elsewhere: server, namespace
         self.ctx: zmq.asyncio.Context | None = None
         self.loop = asyncio.new_event_loop()  # one loop for every control socket of the run
         self.cost_model = None
@@ -199,9 +202,6 @@ class Cluster:
         if getattr(fab, "is_remote_part", False):  # a stand-in fabric has no servers
             raise ValueError(f"topology {fab.topo.name}: node processes start from the first server's fabric, "
                              f"not from server {fab.server}'s part")
-        if any(getattr(fab, "server_of", lambda ns: None)(e.name) for e in fab.endpoints if e.kind == "storage"):
-            raise ValueError(f"topology {fab.topo.name} places a storage server on another server: not supported yet "
-                             "(its store's folder lives on the first server); place nodes only (docs/cluster.md)")
         spec, clock = fab.topo.spec, RunClock.of(fab.topo, geom)
         return cls(fab, run_dir, checkpoint, geom,
                    buffer_bytes if buffer_bytes is not None else int(spec.dram_buffer_gib * 2**30),
@@ -219,18 +219,7 @@ class Cluster:
                 raise RdmaUnavailableError(why)
         store_addrs = []
         for ep in (e for e in self.fab.endpoints if e.kind == "storage"):
-            nic = ep.nic("storage_nic")
-            root = self.run_dir / "store" / ep.name
-            if ep.name in self.tmpfs_stores:  # a disk of its own, which a fault can fill
-                if ep.name in self.fab.containers:  # mounted here, unseen in the container's private mounts
-                    raise ValueError("a disk-full fault needs hosts: namespaces: the store's own tmpfs is "
-                                     "mounted in the root namespace, which a container's mounts do not see")
-                root.mkdir(parents=True, exist_ok=True)
-                run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_stores[ep.name]},mode=0700", TMPFS_SOURCE,
-                     str(root)])
-                self.disk_mounts[root] = self.tmpfs_stores[ep.name]
-            sp = ServerProcess(root, self.store_capacity, argv_prefix=self.fab.exec_argv(ep.name, []),
-                               log_path=self.run_dir / "logs" / f"{ep.name}.log", **self._store_server(nic.ip, store_addrs))
+            sp = self._store_process(ep, store_addrs)
             self.stores.append(sp)
             sp.start()
             store_addrs.append(sp.address_str)
@@ -255,6 +244,27 @@ class Cluster:
         # The conductor's own address on the compute bridge (removed with the bridge).
         run(["ip", "addr", "replace", f"{CONDUCTOR_IP}/{COMPUTE_NET.prefixlen}", "dev", COMPUTE_BRIDGE])
         return self
+
+    def _store_process(self, ep: Endpoint, started: list[str]) -> ServerProcess:
+        """A storage host's server, not yet started. Its folder is run_dir/store/NAME on the server
+        that holds the storage host: on another server the store makes it there (the same path,
+        on that server's own disk) and stop() removes it."""
+        root = self.run_dir / "store" / ep.name
+        remote = self.fab.server_of(ep.name)
+        if ep.name in self.tmpfs_stores:  # a disk of its own, which a fault can fill
+            if remote is not None or ep.name in self.fab.containers:  # mounted here, seen only here
+                raise ValueError(f"a disk-full fault on {ep.name} needs it on this server in hosts: namespaces: "
+                                 "the store's own tmpfs is mounted in this machine's root namespace")
+            root.mkdir(parents=True, exist_ok=True)
+            run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_stores[ep.name]},mode=0700", TMPFS_SOURCE,
+                 str(root)])
+            self.disk_mounts[root] = self.tmpfs_stores[ep.name]
+        if remote is not None:
+            self.remote_roots[root] = (remote, ep.name)
+        return ServerProcess(root, self.store_capacity, log_path=self.run_dir / "logs" / f"{ep.name}.log",
+                             wrap=lambda argv: self.fab.exec_argv(ep.name, argv, env=_remote_env()),
+                             root_here=remote is None, startup_timeout_s=scaled(30.0),
+                             **self._store_server(ep.nic("storage_nic").ip, started))
 
     def _store_server(self, ip: str, started: list[str]) -> dict:
         """How a storage host's server starts: the 3FS-like store's on its port, refusing any block
@@ -363,7 +373,8 @@ class Cluster:
         Ctrl-C that a request task caught comes back out of the loop's drain (asyncio re-raises
         KeyboardInterrupt), and must not leave the store's tmpfs mounted."""
         first: BaseException | None = None
-        for step in (self._close_clients, self._drain_loop, self._close_loop, self._stop_processes, self._unmount):
+        for step in (self._close_clients, self._drain_loop, self._close_loop, self._stop_processes, self._unmount,
+                     self._remove_remote_roots):
             try:
                 step()
             except BaseException as e:
@@ -403,6 +414,21 @@ class Cluster:
         for root in list(self.disk_mounts):
             run(["umount", "-l", str(root)], check=False)
             del self.disk_mounts[root]
+
+    def _remove_remote_roots(self) -> None:
+        """A store's folder on another server goes with the run, as the run's scratch folder does
+        here. Its server goes first: SIGTERM to the SSH client here does not reach it, so what
+        lives in its namespace there (the store alone) is ended by pid, then the folder removed."""
+        from testbed.fabric.remote import run_on
+
+        for root, (server, ns) in list(self.remote_roots.items()):
+            script = (f"for p in $(ip netns pids {shlex.quote(ns)}); do kill $p; done; sleep 0.5; "
+                      f"for p in $(ip netns pids {shlex.quote(ns)}); do kill -9 $p; done; rm -rf -- {shlex.quote(str(root))}")
+            p = run_on(server, ["bash", "-c", script])
+            if p.returncode != 0:
+                raise RuntimeError(f"server {server.name}: could not remove the store folder {root}: "
+                                   f"{(p.stderr or p.stdout).strip()[-200:]}")
+            del self.remote_roots[root]
 
     def __enter__(self) -> "Cluster":
         try:

@@ -24,7 +24,8 @@ from testbed.cluster.conductor import MODES, Conductor
 from testbed.cluster.modes import PATH_POLICY
 from testbed.fabric.access import claimed_fabric
 from testbed.fabric.network import Fabric
-from testbed.cluster.faults import DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector, lost_blocks
+from testbed.cluster.faults import (DISK_FULL_S, DISK_FULL_TMPFS_BYTES, RESTART_DELAY_S, FaultLog, FaultSpec, Injector,
+                                   check_on_first_server, lost_blocks)
 from dualpath.store.keys import chain_keys
 from dualpath.control import ControlError
 from testbed.measure.fidelity import link_use, tolerated as tolerated_overruns, verdict as fidelity_verdict
@@ -33,7 +34,7 @@ from testbed.fabric.remote import cpu_fields_of
 from testbed.paths import REPO, code_version, shown_path
 from testbed.cluster.runclock import RUN_BLOCK_TOKENS, RunClock, run_geometry
 from testbed.topology import Topology
-from testbed.placement import placement, spans_servers
+from testbed.placement import placement, server_of_namespace, servers, spans_servers
 from testbed.cluster.scheduling import STALE_AFTER_S, ServiceRouter
 from testbed.experiments.results import ModeResult, TOLERANCE, _request_bytes, conversation, summarize, write_results
 
@@ -361,6 +362,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
+    check_on_first_server(list(faults), lambda ns: server_of_namespace(fab.topo, ns), servers(fab.topo)[0].name)
     geom = run_geometry(checkpoint, block_size)
     clock = RunClock.of(fab.topo, geom)
     results: list[ModeResult] = []
