@@ -356,7 +356,7 @@ def test_with_seeds_repeats_every_run_on_other_workloads():
 def test_only_pooling_ids_take_seeds():
     from testbed.reproduce import id_plan
 
-    assert id_plan("fig14", quick=True).seeds == 3 and id_plan("fig14", quick=False).seeds == 1
+    assert id_plan("fig14", quick=True).seeds == 3 and id_plan("fig14", quick=False).seeds == 2
     assert id_plan("fig13", quick=True, seeds=1).seeds == 1
     with pytest.raises(ValueError, match="fig7 does not pool runs over seeds; --seeds > 1 is for fig13, fig14"):
         id_plan("fig7", quick=True, seeds=2)
