@@ -72,6 +72,7 @@ def test_a_store_folder_on_another_server_goes_after_its_server(monkeypatch, tmp
     assert server == "b" and argv[:2] == ["bash", "-c"]
     # its namespace's processes end (by pid, in that namespace only) before the folder goes
     assert script.index("ip netns pids dpt-s0") < script.index(f"rm -rf -- {tmp_path / 'store' / 'dpt-s0'}")
+    assert f"rmdir -- {tmp_path / 'store'} {tmp_path} 2>/dev/null" in script  # only when empty, never -p
     assert c.remote_roots == {}
 
 

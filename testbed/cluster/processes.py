@@ -418,12 +418,15 @@ class Cluster:
     def _remove_remote_roots(self) -> None:
         """A store's folder on another server goes with the run, as the run's scratch folder does
         here. Its server goes first: SIGTERM to the SSH client here does not reach it, so what
-        lives in its namespace there (the store alone) is ended by pid, then the folder removed."""
+        lives in its namespace there (the store alone) is ended by pid, then the folder removed
+        (and its parents, when empty: make cluster-test's `clean` found the run's folder left)."""
         from testbed.fabric.remote import run_on
 
         for root, (server, ns) in list(self.remote_roots.items()):
             script = (f"for p in $(ip netns pids {shlex.quote(ns)}); do kill $p; done; sleep 0.5; "
-                      f"for p in $(ip netns pids {shlex.quote(ns)}); do kill -9 $p; done; rm -rf -- {shlex.quote(str(root))}")
+                      f"for p in $(ip netns pids {shlex.quote(ns)}); do kill -9 $p; done; rm -rf -- {shlex.quote(str(root))}; "
+                      # store/ and the run's folder, each only if nothing else is in it
+                      f"rmdir -- {shlex.quote(str(root.parent))} {shlex.quote(str(root.parent.parent))} 2>/dev/null; true")
             p = run_on(server, ["bash", "-c", script])
             if p.returncode != 0:
                 raise RuntimeError(f"server {server.name}: could not remove the store folder {root}: "
