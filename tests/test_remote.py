@@ -63,6 +63,13 @@ def test_another_clock_is_read_against_the_quickest_round_trip():
     assert offset == pytest.approx(1000.0) and uncertainty == pytest.approx(0.001)
 
 
+def test_a_clock_read_through_an_open_shell_is_tight():
+    from testbed.topology_servers import ServerSpec
+
+    offset, uncertainty = remote.clock_offset(ServerSpec(name="here"))  # no ssh: this machine's own bash
+    assert abs(offset) <= uncertainty + 1e-3 and 0 < uncertainty < 0.02
+
+
 def test_every_control_server_tells_its_clock():
     import time
 
