@@ -10,10 +10,11 @@ Each step is the command a user would type, run as a child process:
 2. `dualpath topo` and `dualpath cluster prepare` on topologies/1p1d-io.yaml with d0 placed in the
    guest (VXLAN tunnels: this machine's kernel has no ip_gre; MTU 8900 under the tap's 9000);
 3. `dualpath up --detach`: this machine's namespaces, the guest's (over SSH), tunnels between the
-   two servers' bridges; with d0 in the guest, a ping and a bounded iperf3 from the guest's d0e0 to
-   this machine's p0e0 through both CNICs and the compute tunnel, with the bytes each counted;
-   `dualpath down`. `--place` puts other units in the guest instead (s0, the storage server: its
-   store's folder is then on the guest's disk and every KV read crosses the storage tunnel);
+   two servers' bridges; a ping and a bounded iperf3 from the guest's d0e0 to this machine's p0e0
+   through both CNICs and the compute tunnel, with the bytes each counted; `dualpath down`.
+   `--place s0=guest` puts the storage server in the guest instead: its store's folder is then on
+   the guest's disk, every KV read crosses the storage tunnel, and the iperf3 goes from s0's
+   storage NIC to p0's SNIC;
 4. `dualpath run` through every mode, one trajectory (skipped with --no-run): d0's host agent and
    engines start in the guest over SSH, every process computes with the portable kernels
    (dualpath/model/numerics.py) and the guest's clock is aligned with this one's; tokens and KV
@@ -130,18 +131,29 @@ def _sys_bytes(dev: str, what: str, ns: str | None = None) -> int:
     return int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
 
 
-def traffic(topo_path: Path, guest, iperf_s: int) -> dict:
-    """A ping and an iperf3 from the guest's d0e0 to this machine's p0e0, with the bytes the
-    receiving CNIC, the compute tunnel and the tap counted."""
+def crossing(place: dict[str, str]) -> tuple[str, str, str, str]:
+    """Which shaped pair the traffic step measures across the servers: (the guest's namespace, this
+    machine's endpoint, its NIC, the tunnel): d0e0's CNIC to p0e0's over the compute tunnel when
+    the guest holds d0, else s0's storage NIC to p0's SNIC over the storage tunnel."""
+    if "d0" in place:
+        return "dpt-d0e0", "dpt-p0e0", "cnic", "dpt-vc0-1"
+    if "s0" in place:
+        return "dpt-s0", "dpt-p0", "snic", "dpt-vs0-1"
+    raise SystemExit(f"cluster-test: --place {','.join(place)}: the traffic step needs d0 or s0 in the guest")
+
+
+def traffic(topo_path: Path, guest, iperf_s: int, place: dict[str, str]) -> dict:
+    """A ping and an iperf3 from a namespace in the guest to one here (crossing()), with the bytes
+    the receiving NIC, the tunnel and the tap counted."""
     from testbed.fabric.network import plan
     from testbed.topology import load_topology
 
     topo = load_topology(topo_path)
     eps = {e.name: e for e in plan(topo)}
-    dst = eps["dpt-p0e0"].nic("cnic")
-    src_ns = "dpt-d0e0"
+    src_ns, dst_ep, dst_nic, tunnel = crossing(place)
+    dst = eps[dst_ep].nic(dst_nic)
     ping = run_on(guest, ["ip", "netns", "exec", src_ns, "ping", "-c", "3", "-W", "3", dst.ip], timeout=60)
-    counters = [("cnic", dst.dev, dst.ns), ("tunnel", "dpt-vc0-1", None), ("tap", TAP, None)]
+    counters = [("nic", dst.dev, dst.ns), ("tunnel", tunnel, None), ("tap", TAP, None)]
     before = {k: (_sys_bytes(d, "rx_bytes", ns), _sys_bytes(d, "rx_packets", ns)) for k, d, ns in counters}
     server = subprocess.Popen(["ip", "netns", "exec", dst.ns, "iperf3", "-s", "-1", "-p", str(IPERF_PORT)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -163,12 +175,13 @@ def traffic(topo_path: Path, guest, iperf_s: int) -> dict:
     # it); a veth and the tap count whole frames.
     inner_frames = inner["bytes"] + 14 * inner["packets"]
     return {
+        "from": src_ns, "to": f"{dst_ep}/{dst_nic}", "tunnel": tunnel,
         "ping_ok": ping.returncode == 0, "ping_last_line": (ping.stdout.strip().splitlines() or [""])[-1],
-        "iperf3_bits_per_second": bps, "cnic_rate_bps": dst.rate_bps,
-        "iperf3_over_cnic_rate": round(bps / dst.rate_bps, 4) if bps else None,
+        "iperf3_bits_per_second": bps, "nic_rate_bps": dst.rate_bps,
+        "iperf3_over_nic_rate": round(bps / dst.rate_bps, 4) if bps else None,
         "received": got,
-        # the receiving CNIC counts the frames the tunnel delivered (the tunnel adds nothing inside)
-        "cnic_over_tunnel_frames": round(got["cnic"]["bytes"] / inner_frames, 6) if inner["packets"] else None,
+        # the receiving NIC counts the frames the tunnel delivered (the tunnel adds nothing inside)
+        "nic_over_tunnel_frames": round(got["nic"]["bytes"] / inner_frames, 6) if inner["packets"] else None,
         # the tap's outer frames less the tunnel's inner ones, per tunnelled packet (50 B expected;
         # the run's SSH traffic on the same tap adds a little)
         "tunnel_overhead_bytes_per_packet": round((outer["bytes"] - inner_frames) / inner["packets"], 2)
@@ -215,6 +228,7 @@ def main() -> int:
     ap.add_argument("--modes", default=MODES, help=f"the run's modes (default every one: {MODES})")
     args = ap.parse_args()
     place = parse_place(args.place)
+    crossing(place)  # a placement the traffic step cannot measure fails here, before the guest boots
     if os.geteuid() != 0:
         print("cluster-test: needs root (namespaces, a tap device, QEMU)", file=sys.stderr)
         return 2
@@ -242,8 +256,7 @@ def main() -> int:
         wall["fabric_up"] = round(time.monotonic() - t1, 1)
         summary["fabric_up"] = st is not None
         if st is not None:
-            if "d0" in place:  # the iperf3 step goes from the guest's d0e0
-                summary["traffic"] = traffic(topo_path, g, args.iperf_s)
+            summary["traffic"] = traffic(topo_path, g, args.iperf_s, place)
             cli("down")
         if args.run:
             t2 = time.monotonic()
@@ -266,10 +279,9 @@ def main() -> int:
     checks = {
         "prepare ready": summary["prepare"]["ok"],
         "fabric up across both servers": summary["fabric_up"],
-        **({} if "d0" not in place else {
-            "ping through the tunnel": bool(summary.get("traffic", {}).get("ping_ok")),
-            "CNIC bytes = tunnel's frames within 2 %":
-                abs((summary.get("traffic", {}).get("cnic_over_tunnel_frames") or 0) - 1) <= 0.02}),
+        "ping through the tunnel": bool(summary.get("traffic", {}).get("ping_ok")),
+        "receiving NIC's bytes = tunnel's frames within 2 %":
+            abs((summary.get("traffic", {}).get("nic_over_tunnel_frames") or 0) - 1) <= 0.02,
         **({} if not args.run else {
             "every mode ran": bool(summary["modes"]) and len(summary["modes"]) == len(args.modes.split(",")),
             # the oracle moves no KV, so nothing of it is checked ("n/a (oracle moves no KV)")
