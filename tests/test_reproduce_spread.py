@@ -164,3 +164,17 @@ def test_a_mode_that_lost_requests_is_no_result_even_when_its_time_was_faithful(
     r = load_run(rf.write())
     assert r.faithful(["basic"]) and not r.faithful()
     assert r.unfaithful() == {"dualpath": ["3 of 40 requests failed (first: no engine)"]}
+
+
+def test_an_interval_that_excludes_its_own_value_is_not_shown():
+    import numpy as np
+
+    from testbed.reproduce.spread import Draws, sums_draws
+
+    # two NICs; requests in mirrored pairs, so the run is balanced (1.0) and a resample almost never is
+    xs = np.random.default_rng(1).uniform(0, 200, 30)
+    units = [[x, 200 - x] for x in xs] + [[200 - x, x] for x in xs]
+    e = sums_draws(units, lambda s: s.max(axis=-1) / s.mean(axis=-1), 1.0, "requests").estimate()
+    assert e.value == 1.0 and e.ci95 is None and "outside its resamples' 95 % range" in e.method
+    inside = Draws(2.0, np.linspace(1.0, 3.0, 101), 101, "m").estimate()
+    assert inside.ci95 == (pytest.approx(1.05), pytest.approx(2.95)) and inside.method == "m"
