@@ -64,8 +64,8 @@ def plan(quick: bool = False) -> Plan:
         f"one PE group of a 2P4D cluster); the demo workload with {cfg.workload.agents} agents, 1,024-token cold "
         f"first turns, every append x{APPEND_SCALE:g}, so that the PEs are compute-loaded (a context reaches "
         f"MaxLen in a turn or two: one long burst of prefills, the paper's loaded start), and generations "
-        f"x{GEN_SCALE:g}; the loaded phase is about 4 s of a 11.5 s run: the rest is the write-back of the "
-        f"burst's new KV through the storage NICs; {QUICK_SEEDS if quick else FULL_SEEDS} workloads (seeds), "
+        f"x{GEN_SCALE:g}; the loaded phase is that burst, less than half of the run (the notes give its share): "
+        f"the rest is the write-back of the burst's new KV through the storage NICs; {QUICK_SEEDS if quick else FULL_SEEDS} workloads (seeds), "
         f"their loaded windows pooled"))
     return plan_.with_seeds(QUICK_SEEDS if quick else FULL_SEEDS)
 
