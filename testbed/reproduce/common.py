@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from testbed.measure.metrics import MIN_LOADED  # noqa: F401  (the ids read it from here)
 from testbed.measure.runs import Run
 from testbed.reproduce.plan import SEED_KEY
-from testbed.reproduce.spread import Estimate
+from testbed.reproduce.spread import NO_INTERVAL, Estimate
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class Headline:
     def to_dict(self) -> dict[str, Any]:
         ci = [_num(self.ci95[0]), _num(self.ci95[1])] if self.ci95 else None
         return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound),
-                "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci else None,
+                "n": self.n, "ci95": ci,
+                "ci_method": self.ci_method if ci or (self.ci_method or "").startswith(NO_INTERVAL) else None,
                 "interval": [_num(self.interval[0]), _num(self.interval[1])] if self.interval else None}
 
     @classmethod
@@ -171,7 +172,8 @@ class Result:
                        f"| {fmt(h.bound)} |")
         out.append("")
         methods = sorted({h.ci_method for h in self.headline if h.ci95 and h.ci_method})
-        words = [w for w in (h.paper_in_words() for h in self.headline) if w]
+        words = [w for w in (h.paper_in_words() for h in self.headline) if w] + [
+            f"{h.name}: {h.ci_method}" for h in self.headline if not h.ci95 and (h.ci_method or "").startswith(NO_INTERVAL)]
         if methods or words:
             out += [f"Intervals: {'; '.join(methods)}." if methods else ""] + [f"- {w}" for w in words] + [""]
         if self.sections:

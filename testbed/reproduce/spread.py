@@ -67,6 +67,9 @@ def loaded_mean(series: Sequence[dict]) -> Estimate:
                     "bootstrap over loaded windows (2,000 resamples)")
 
 
+NO_INTERVAL = "no interval:"  # how an Estimate's method begins when it says why it has none
+
+
 @dataclass(frozen=True)
 class Draws:
     """A measured value and its bootstrap replicates (None where there is nothing to resample);
@@ -86,8 +89,8 @@ class Draws:
             # A max over a few columns near perfect balance: every resample is less balanced than
             # the run (mooncake-trace's SNIC max/avg 1.007 against [1.009, 1.244]). Such an
             # interval says more about resampling than about the run; it is not shown.
-            return Estimate(self.value, self.n, None, f"{self.method}; no interval: the run's value lies outside "
-                            f"its resamples' 95 % range [{ci[0]:.4g}, {ci[1]:.4g}] (a resampled max is biased)")
+            return Estimate(self.value, self.n, None, f"{NO_INTERVAL} the run's value lies outside the 95 % range "
+                            f"[{ci[0]:.4g}, {ci[1]:.4g}] of its resamples ({self.method}); a resampled max is biased")
         return Estimate(self.value, self.n, ci, self.method)
 
 
