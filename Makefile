@@ -37,6 +37,7 @@ vm-guest-test: setup
 # One topology over two servers: this machine and a QEMU guest of the VM image, joined by VXLAN
 # tunnels (docs/cluster.md): prepare, the fabric across both, traffic through it, cleanup after
 # down and after a SIGKILL, and `dualpath run` through every mode with d0's processes in the guest
-# (about 24 minutes under TCG; CLUSTER_TEST_ARGS=--no-run skips it). results/cluster/<run-id>/summary.json.
+# (about 24 minutes under TCG; CLUSTER_TEST_ARGS=--no-run skips it; CLUSTER_TEST_ARGS="--place s0=guest"
+# puts the storage server there instead, about 6 minutes and FAITHFUL). results/cluster/<run-id>/summary.json.
 cluster-test: setup
 	@$(PY) scripts/cluster/cluster_test.py $(CLUSTER_TEST_ARGS)
