@@ -424,9 +424,9 @@ class Cluster:
 
         for root, (server, ns) in list(self.remote_roots.items()):
             script = (f"for p in $(ip netns pids {shlex.quote(ns)}); do kill $p; done; sleep 0.5; "
-                      f"for p in $(ip netns pids {shlex.quote(ns)}); do kill -9 $p; done; rm -rf -- {shlex.quote(str(root))}; "
+                      f"for p in $(ip netns pids {shlex.quote(ns)}); do kill -9 $p; done; rm -rf -- {shlex.quote(str(root))} && "
                       # store/ and the run's folder, each only if nothing else is in it
-                      f"rmdir -- {shlex.quote(str(root.parent))} {shlex.quote(str(root.parent.parent))} 2>/dev/null; true")
+                      f"{{ rmdir -- {shlex.quote(str(root.parent))} {shlex.quote(str(root.parent.parent))} 2>/dev/null; true; }}")
             p = run_on(server, ["bash", "-c", script])
             if p.returncode != 0:
                 raise RuntimeError(f"server {server.name}: could not remove the store folder {root}: "
