@@ -215,6 +215,27 @@ def run_modes(topo_path: Path, out: Path, trajectories: int, modes: str) -> dict
             "error": next((ln for ln in p.stderr.splitlines() if ln.startswith("dualpath:")), None), "modes": modes}
 
 
+def checks_of(summary: dict, modes: str | None) -> dict[str, bool]:
+    """What the test asserts, by name, from its summary (`modes`: the run's, None without a run)."""
+    traffic = summary.get("traffic", {})
+    ran = summary.get("modes") or {}
+    return {
+        "prepare ready": summary["prepare"]["ok"],
+        "fabric up across both servers": summary["fabric_up"],
+        "ping through the tunnel": bool(traffic.get("ping_ok")),
+        "receiving NIC's bytes = tunnel's frames within 2 %": abs((traffic.get("nic_over_tunnel_frames") or 0) - 1) <= 0.02,
+        **({} if modes is None else {
+            "every mode ran": bool(ran) and len(ran) == len(modes.split(",")),
+            # the oracle moves no KV, so nothing of it is checked ("n/a (oracle moves no KV)")
+            "every mode that moves KV bit-exact": bool(ran) and all(
+                (m.get("verification") or {}).get("all_match") for name, m in ran.items() if name != "oracle"),
+            "every NIC's bytes within 2 % of the paths": bool(ran) and all(m["nic_bytes_ok"] for m in ran.values())}),
+        "nothing left after down": all(v["count"] == 0 for v in summary["leftovers"].values()),
+        "nothing left after SIGKILL + clean": all(
+            v["count"] == 0 for v in summary["after_kill_and_clean"]["leftovers"].values()),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-id", default=time.strftime("%Y%m%d-%H%M%S"))
@@ -276,23 +297,7 @@ def main() -> int:
     summary["modes"] = summary.get("run", {}).get("modes")
     summary["wall_s"] = wall
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    checks = {
-        "prepare ready": summary["prepare"]["ok"],
-        "fabric up across both servers": summary["fabric_up"],
-        "ping through the tunnel": bool(summary.get("traffic", {}).get("ping_ok")),
-        "receiving NIC's bytes = tunnel's frames within 2 %":
-            abs((summary.get("traffic", {}).get("nic_over_tunnel_frames") or 0) - 1) <= 0.02,
-        **({} if not args.run else {
-            "every mode ran": bool(summary["modes"]) and len(summary["modes"]) == len(args.modes.split(",")),
-            # the oracle moves no KV, so nothing of it is checked ("n/a (oracle moves no KV)")
-            "every mode that moves KV bit-exact": bool(summary["modes"]) and all(
-                (m.get("verification") or {}).get("all_match") for name, m in summary["modes"].items()
-                if name != "oracle"),
-            "every NIC's bytes within 2 % of the paths": bool(summary["modes"]) and all(
-                m["nic_bytes_ok"] for m in summary["modes"].values())}),
-        "nothing left after down": all(v["count"] == 0 for v in summary["leftovers"].values()),
-        "nothing left after SIGKILL + clean": all(v["count"] == 0 for v in summary["after_kill_and_clean"]["leftovers"].values()),
-    }
+    checks = checks_of(summary, args.modes if args.run else None)
     for name, ok in checks.items():
         print(f"cluster-test: {'ok  ' if ok else 'FAIL'} {name}")
     print(f"cluster-test: {out / 'summary.json'}; wall {wall}")
