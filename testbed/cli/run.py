@@ -395,11 +395,9 @@ def _faults(t, texts: list[str]) -> list:
     if t.spec.store == "mooncake":  # its durability is DRAM's: the faults test guarantees it does not make
         _fail("--fault: the fault runs need the 3FS-like store (store: 3fs-like); Mooncake Store keeps blocks in "
               "the storage hosts' DRAM (dualpath/store/mooncake.py)")
-    from testbed.placement import server_of_namespace, servers
-
     try:
         specs = parse_faults(texts, topology_names(plan(t)))
-        check_on_first_server(specs, lambda ns: server_of_namespace(t, ns), servers(t)[0].name)
+        check_on_first_server(specs, t)
         return specs
     except FaultError as e:
         _fail(str(e))

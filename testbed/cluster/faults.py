@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from dualpath.lifecycle.record import RequestRecord
     from testbed.cluster.conductor import Conductor
     from testbed.fabric.network import Fabric
+    from testbed.topology import Topology
 
 KINDS = ("snic-down", "snic-up", "store-crash", "host-kill", "pe-kill", "de-kill", "corrupt-block", "disk-full")
 NODE_KINDS = ("snic-down", "snic-up", "host-kill")
@@ -123,12 +124,15 @@ def parse_faults(texts: list[str], topo_names: dict[str, list[str]]) -> list[Fau
     return sorted((parse_fault(t, topo_names) for t in texts), key=lambda f: f.at_s)
 
 
-def check_on_first_server(specs: list[FaultSpec], server_of: Callable[[str], str], first: str) -> None:
+def check_on_first_server(specs: list[FaultSpec], topo: "Topology") -> None:
     """A fault acts on this machine: it kills a process by its pid here, sets a bridge port down
     here, flips a bit or fills a disk in a folder here. One whose target runs on another server
-    (testbed/placement.py's `server_of` a namespace) is refused, in one line, before anything starts."""
+    (testbed/placement.py) is refused, in one line, before anything starts."""
+    from testbed.placement import server_of_namespace, servers
+
+    first = servers(topo)[0].name
     for f in specs:
-        where = server_of(f.target)
+        where = server_of_namespace(topo, f.target)
         if where != first:
             raise FaultError(f"--fault {f.text!r}: {f.target} runs on server {where}; faults act on the first "
                              f"server's ({first}) processes, links and disks only: target one placed there")

@@ -34,7 +34,7 @@ from testbed.fabric.remote import cpu_fields_of
 from testbed.paths import REPO, code_version, shown_path
 from testbed.cluster.runclock import RUN_BLOCK_TOKENS, RunClock, run_geometry
 from testbed.topology import Topology
-from testbed.placement import placement, server_of_namespace, servers, spans_servers
+from testbed.placement import placement, spans_servers
 from testbed.cluster.scheduling import STALE_AFTER_S, ServiceRouter
 from testbed.experiments.results import ModeResult, TOLERANCE, _request_bytes, conversation, summarize, write_results
 
@@ -362,7 +362,7 @@ def run_e2e(fab: Fabric, workload: Workload, checkpoint: Path, run_dir: Path, mo
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected some of {MODES}")
-    check_on_first_server(list(faults), lambda ns: server_of_namespace(fab.topo, ns), servers(fab.topo)[0].name)
+    check_on_first_server(list(faults), fab.topo)
     geom = run_geometry(checkpoint, block_size)
     clock = RunClock.of(fab.topo, geom)
     results: list[ModeResult] = []
