@@ -39,9 +39,13 @@ class Headline:
     def to_dict(self) -> dict[str, Any]:
         ci = [_num(self.ci95[0]), _num(self.ci95[1])] if self.ci95 else None
         return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound),
-                "n": self.n, "ci95": ci,
-                "ci_method": self.ci_method if ci or (self.ci_method or "").startswith(NO_INTERVAL) else None,
+                "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci or self.says_why_no_interval else None,
                 "interval": [_num(self.interval[0]), _num(self.interval[1])] if self.interval else None}
+
+    @property
+    def says_why_no_interval(self) -> bool:
+        """It has no interval, and its method says why (spread.NO_INTERVAL)."""
+        return not self.ci95 and (self.ci_method or "").startswith(NO_INTERVAL)
 
     @classmethod
     def of(cls, name: str, est: Estimate | None, paper: float | None = None, bound: float | None = None) -> "Headline":
@@ -173,7 +177,7 @@ class Result:
         out.append("")
         methods = sorted({h.ci_method for h in self.headline if h.ci95 and h.ci_method})
         words = [w for w in (h.paper_in_words() for h in self.headline) if w] + [
-            f"{h.name}: {h.ci_method}" for h in self.headline if not h.ci95 and (h.ci_method or "").startswith(NO_INTERVAL)]
+            f"{h.name}: {h.ci_method}" for h in self.headline if h.says_why_no_interval]
         if methods or words:
             out += [f"Intervals: {'; '.join(methods)}." if methods else ""] + [f"- {w}" for w in words] + [""]
         if self.sections:
