@@ -216,7 +216,7 @@ def test_busy_connections_get_a_clear_refusal(make_server):
 def _prlimit_server(tmp_path: Path, nofile: str, *extra: str) -> ServerProcess:
     if shutil.which("prlimit") is None:
         pytest.skip("prlimit (util-linux) not installed")
-    return ServerProcess(tmp_path / "fd", 1 << 30, argv_prefix=["prlimit", f"--nofile={nofile}", "--"],
+    return ServerProcess(tmp_path / "fd", 1 << 30, wrap=lambda argv: ["prlimit", f"--nofile={nofile}", "--", *argv],
                          extra_args=list(extra))
 
 

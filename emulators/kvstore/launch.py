@@ -1,7 +1,7 @@
 """Run a storage server as a subprocess and learn its address.
 
-Used by tests and benchmarks here, and by the testbed, which passes an
-`argv_prefix` (e.g. the command that enters a storage host's namespace).
+Used by tests and benchmarks here, and by the testbed, which passes a `wrap` (e.g. the command
+that enters a storage host's namespace, here or on another server).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ class ServerProcess:
         *,
         listen: str = "127.0.0.1:0",
         extra_args: Sequence[str] = (),
-        argv_prefix: Sequence[str] = (),
         python: str = sys.executable,
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 30.0,
@@ -38,9 +37,8 @@ class ServerProcess:
     ) -> None:
         """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
         a run passes its Full Block size so a put of any other size is refused. `module`: the
-        server to run (emulators.mooncake_store for a Mooncake Store storage host). `wrap`, in
-        place of `argv_prefix`: the whole command line made into the one that runs it where the
-        server lives (the testbed's Fabric.exec_argv: in a namespace here, or over SSH on another
+        server to run (emulators.mooncake_store for a Mooncake Store storage host). `wrap`: the
+        whole command line made into the one that runs it where the server lives (the testbed's Fabric.exec_argv: in a namespace here, or over SSH on another
         server, whose python it picks). `root_here`: False when `root` is on another server (the
         server makes it there)."""
         self.root = Path(root)
@@ -58,7 +56,7 @@ class ServerProcess:
             *(["--block-bytes", str(block_bytes)] if block_bytes else []),
             *extra_args,
         ]
-        self.argv = wrap(core) if wrap is not None else [*argv_prefix, *core]
+        self.argv = wrap(core) if wrap is not None else core
         self.log_path = Path(log_path) if log_path is not None else self.root.parent / f"{self.root.name}.server.log"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None

@@ -260,7 +260,7 @@ def bench_store(fab: Fabric, scratch: Path, progress: Callable[[str], None] = pr
     snic, st = node.nic("snic"), store_ep.nic("storage_nic")
     res: dict[str, Any] = {"snic_rate_bps": snic.rate_bps}
     progress("  store through the shaped SNIC vs iperf3 on it ...")
-    sp = ServerProcess(scratch / "store", 2 << 30, listen=f"{st.ip}:7001", argv_prefix=ns_argv(store_ep.name, []),
+    sp = ServerProcess(scratch / "store", 2 << 30, listen=f"{st.ip}:7001", wrap=lambda argv: ns_argv(store_ep.name, argv),
                        log_path=scratch / "store.log")
     sp.start()
     try:
