@@ -31,6 +31,8 @@ GUEST_IP = GUEST_CIDR.split("/")[0]
 GUEST_ROOT = REPO / "build" / "cluster"  # inside the checkout: the guest sees it at the same path
 VM_PYTHON = REPO / "build" / "vm" / "venv" / "bin" / "python"
 STOP_FILE = f"/run/{PREFIX}-guest-stop"  # in the guest: scripts/vm/serve_ssh.sh powers off when it appears
+STEP_TRIES = 3  # clock steps at most
+STEP_GOOD_S = 0.005  # a clock this close needs no further step
 BOOT_TIMEOUT_S = 420.0  # TCG boot and sshd: about 60 s on the 2-core dev machine
 
 
@@ -103,22 +105,21 @@ class GuestServer:
         (self.dir / "known_hosts").write_text(f"{GUEST_IP} {key[0]} {key[1]}\n")
         self.clock_offset_s = self._set_clock()
 
-    def _set_clock(self) -> float | None:
+    def _set_clock(self, steps: int = STEP_TRIES) -> float | None:
         """Step the guest's clock onto this machine's, as chrony would on a real server: the
         guest boots from a 1-second RTC and TCG's clock drifts (-693 ms measured without this).
-        A step lands late by the time the guest takes to run it (date, bc and date again under
-        TCG: 70-110 ms measured), so the second step adds the first one's residue again to
-        cover its own. Returns the offset left, as `dualpath cluster prepare` measures it."""
-        for first in (True, False):
-            got = clock_offset(self.spec())
-            if got is None:
-                return None
-            # after the first step the offset left is minus one step's lag: stepping by twice it
-            # leaves the lag of the second step to cancel it
-            by = got[0] if first or abs(got[0]) > 1.0 else 2 * got[0]
-            run_on(self.spec(), ["bash", "-c", f'date -s "@$(echo "$(date +%s.%N) - ({by:.6f})" | bc)" >/dev/null'],
-                   timeout=30)
+        One process reads the guest's clock and sets it (clock_settime), so the step lands
+        microseconds after its reading; `date -s "$(date ...)"` landed 70-110 ms late under TCG,
+        and its residue varied (-44.5 ms left once, against prepare's 50 ms limit). Steps again
+        while more than STEP_GOOD_S is left. Returns the offset left, as prepare measures it."""
         got = clock_offset(self.spec())
+        for _ in range(steps):
+            if got is None or abs(got[0]) <= STEP_GOOD_S:
+                break
+            run_on(self.spec(), [str(VM_PYTHON), "-c", "import sys, time; "
+                                 "time.clock_settime(time.CLOCK_REALTIME, time.time() - float(sys.argv[1]))",
+                                 f"{got[0]:.6f}"], timeout=60)
+            got = clock_offset(self.spec())
         return got[0] if got else None
 
     def stop(self) -> None:
