@@ -145,6 +145,11 @@ class TargetSpec(_Strict):
 
     gpu: str = Field(default="h800", max_length=64)
     model: str = Field(default="qwen2.5-32b", max_length=64)
+    # The workload's lengths are the target's divided by this (the paper presets' --length-scale).
+    # The HBM budget is divided by it too, so that an engine holds as many of the testbed's
+    # requests as the target holds of the unscaled ones: otherwise lengths / 32 leave 32 times the
+    # room and the target's HBM never binds (DESIGN.md 3a). 1: the budget in the target's bytes.
+    hbm_length_scale: float = Field(default=1.0, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _known(self) -> "TargetSpec":
@@ -313,7 +318,7 @@ class Topology:
         """One engine's HBM on the target, in target bytes (emulators.gpu.memory.HbmBudget)."""
         from emulators.gpu.memory import hbm_budget
 
-        return hbm_budget(self.target())
+        return hbm_budget(self.target(), self.spec.target.hbm_length_scale)
 
     def hbm_plan(self, testbed_kv_bytes_per_token: int | None):
         """What passes and decode batches are packed against (dualpath.scheduler.hbm.HbmPlan): the
@@ -373,8 +378,16 @@ class Topology:
 
         b, ctx = self.hbm_budget(), PAPER_MAXLEN_TOKENS // PAPER_SCALE
         basic, lw = b.largest_batch_tokens(ctx, True), b.largest_batch_tokens(ctx, False)
-        return [f"HBM per engine (target bytes): {b.capacity_bytes / 1e9:.0f} GB less {b.weight_bytes / 1e9:.1f} GB of "
-                f"weights less a {b.reserve_bytes / 1e9:.0f} GB reserve = {b.budget_bytes / 1e9:.2f} GB for KV, "
+        over = f" / {b.length_scale:g} (hbm_length_scale)" if b.length_scale != 1 else ""
+
+        def budget(weights: float, left: float) -> str:
+            room = (f"{b.capacity_bytes / 1e9:.0f} GB less {weights / 1e9:.1f} GB of weights less a "
+                    f"{b.reserve_bytes / 1e9:.0f} GB reserve")
+            return f"{f'({room}){over}' if over else room} = {left / 1e9:.2f} GB for KV"
+
+        decode = (f"; decode {budget(b.decode_weight_bytes, b.decode_budget_bytes)}"
+                  if b.decode_weight_bytes != b.weight_bytes else "")
+        return [f"HBM per engine (target bytes): prefill {budget(b.weight_bytes, b.budget_bytes)}{decode}; "
                 f"{b.decode().tokens:,} tokens (a decode batch's limit)",
                 f"largest prefill batch at a {ctx:,}-token context (the 64K MaxLen at length scale {PAPER_SCALE}): "
                 f"Basic {basic:,} tokens ({basic // (ctx + 1)} requests), Layerwise and DualPath {lw:,} tokens "

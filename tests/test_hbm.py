@@ -107,6 +107,31 @@ def test_deepseek_660b_splits_its_experts_and_counts_the_indexer_key():
     assert b.largest_batch_tokens(65536, True) // 65537 == 4  # the paper's 64K context: 4 requests in Basic
 
 
+def test_deepseek_660b_decodes_on_a_group_twice_its_prefill_groups_so_holds_more_kv_there():
+    b = hbm_budget(target("h800", "deepseek-v3.2"))
+    m = target("h800", "deepseek-v3.2").model
+    assert (m.ep, m.decode_ep) == (16, 32)
+    assert b.decode_weight_bytes == pytest.approx(m.weight_bytes(32)) and b.decode_weight_bytes < b.weight_bytes
+    assert b.decode_budget_bytes - b.budget_bytes == pytest.approx(b.weight_bytes - b.decode_weight_bytes)
+    assert b.decode().tokens == int(b.decode_budget_bytes // b.kv_bytes_per_token)
+    q = hbm_budget(target("h800", "qwen2.5-32b"))  # one full copy per GPU on both sides
+    assert q.decode_budget_bytes == q.budget_bytes
+
+
+def test_a_length_scaled_workload_gets_the_budget_over_its_scale_so_as_many_requests_fit():
+    full, scaled = hbm_budget(target("h800", "deepseek-v3.2")), hbm_budget(target("h800", "deepseek-v3.2"), 32)
+    assert scaled.budget_bytes == pytest.approx(full.budget_bytes / 32)
+    assert scaled.decode_budget_bytes == pytest.approx(full.decode_budget_bytes / 32)
+    # the target's 64K context and the testbed's 2,048 (64K / 32): the same 4 requests in a Basic pass
+    assert scaled.largest_batch_tokens(2048, True) // 2049 == full.largest_batch_tokens(65536, True) // 65537 == 4
+    assert full.largest_batch_tokens(2048, True) // 2049 > 100  # unscaled, lengths / 32 leave 32x the room
+
+
+def test_a_length_scale_that_leaves_no_token_is_an_error_saying_so():
+    with pytest.raises(ValueError, match="leave no HBM for KV on a 80 GB GPU once divided by the length scale 1e"):
+        hbm_budget(target("h800", "qwen2.5-32b"), 1e6)
+
+
 def test_a_target_whose_weights_fill_the_gpu_is_an_error_naming_it():
     small = GpuSpec("small", bf16_flops=1e15, hbm_bytes_per_s=1e12, hbm_bytes=40e9)
     with pytest.raises(ValueError, match=r"target small/qwen2.5-32b: its weights \(65.5 GB per GPU\)"):

@@ -395,4 +395,5 @@ def test_the_committed_fit_recognises_its_own_runs_after_later_topology_fields()
     mooncake = dataclasses.replace(run, summary={**run.summary, "topology": "1p1d-io-mooncake"})  # Mooncake Store
     assert sf.topology_contents(mooncake)["store"] == "mooncake"
     assert sf.config_identity(mooncake) != sf.config_identity(run)
+    assert "hbm_length_scale" not in base["target"]  # at its default, a later field leaves the identity alone
 

@@ -105,10 +105,25 @@ def test_topo_shows_each_engines_hbm_budget_and_the_largest_batch_per_mode():
     lines = parse_topology(GOOD).describe(2048)
     hbm = next(x for x in lines if x.startswith("HBM per engine"))
     # 80 GB less Qwen2.5-32B's 65.5 GB of BF16 weights less the 10 % reserve
-    assert "80 GB less 65.5 GB of weights less a 8 GB reserve = 6.47 GB for KV, 24,689 tokens" in hbm
+    assert "prefill 80 GB less 65.5 GB of weights less a 8 GB reserve = 6.47 GB for KV; 24,689 tokens" in hbm
     batch = next(x for x in lines if x.startswith("largest prefill batch"))
     assert "Basic 24,588 tokens (12 requests)" in batch and "(379 requests)" in batch
     assert not any(x.startswith("HBM") for x in parse_topology({**GOOD, "compute": "cpu"}).describe(2048))
+
+
+def test_topo_shows_a_length_scaled_budget_and_decodes_larger_group_apart():
+    lines = parse_topology({**GOOD, "target": {"gpu": "h800", "model": "deepseek-v3.2", "hbm_length_scale": 32}}).describe(2048)
+    hbm = next(x for x in lines if x.startswith("HBM per engine"))
+    assert ("prefill (80 GB less 58.8 GB of weights less a 8 GB reserve) / 32 (hbm_length_scale) = 0.41 GB for KV; "
+            "decode (80 GB less 38.4 GB of weights less a 8 GB reserve) / 32 (hbm_length_scale) = 1.05 GB") in hbm
+    batch = next(x for x in lines if x.startswith("largest prefill batch"))
+    assert "Basic 8,196 tokens (4 requests)" in batch
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, 2000, "x"])
+def test_a_length_scale_below_1_or_past_1024_is_refused(bad):
+    with pytest.raises(Exception, match="hbm_length_scale"):
+        parse_topology({**GOOD, "target": {"gpu": "h800", "model": "qwen2.5-32b", "hbm_length_scale": bad}})
 
 
 def test_cli_topo_prints_target_and_dilation():

@@ -109,8 +109,8 @@ class Target:
                            context_cap = index_topk selected keys
         Decode reads each sequence's KV once per step (its single query has nothing to share), so
         the per-key read is counted per sequence here, unlike prefill's once-per-pass sweep.
-        The weights are counted at this model's ep, the paper's prefill group (the decode group of
-        DS 660B is larger, 4 nodes, which would stream fewer expert bytes per GPU).
+        The weights are counted at the model's decode_ep, the paper's decode group (DS 660B's is
+        4 nodes, twice its prefill group, so a decode GPU streams half the expert bytes).
         """
         m = self.model
         if m.is_dsa:
@@ -121,7 +121,7 @@ class Target:
             per_ctx = self._flop_s(m.attention_flops_per_pair) + self._byte_s(m.kv_bytes_per_token)
             per_capped, cap = 0.0, 0
         return DecodeCostModel(
-            intercept=self._byte_s(m.streamed_weight_bytes()),
+            intercept=self._byte_s(m.streamed_weight_bytes(m.decode_ep)),
             per_request=self._flop_s(m.linear_flops_per_token) + self._byte_s(self._kv_all_bytes),
             per_context=per_ctx,
             per_capped_context=per_capped,

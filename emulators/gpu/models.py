@@ -36,6 +36,10 @@ FP8_BYTES = 1
 # the paper; it gets the same group as V3.2, its successor with the same MoE.
 EP_DS_660B = 16
 EP_DS_27B = 8
+# The paper's decode group: DS 660B's 2P4D decodes on 4 nodes x 8 GPUs, so each decode GPU holds
+# half the routed-expert bytes a prefill GPU does; DS 27B's 1P1D decodes on one node, as it prefills.
+DECODE_EP_DS_660B = 32
+DECODE_EP_DS_27B = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +52,8 @@ class TargetModel:
     ep: expert-parallel degree; routed experts are split over `ep` GPUs, everything else (attention,
         shared experts, dense layers, embeddings) is replicated, as DP attention + EP does. 1 means
         no sharding (Qwen2.5-32B is served data-parallel, a full copy per GPU).
+    decode_ep: the same for the decode group (None: `ep`); it sets a decode GPU's weights, so its
+        HBM for KV and the bytes a decode step streams.
     """
 
     name: str
@@ -56,16 +62,21 @@ class TargetModel:
     weight_bytes_per_param: float
     ep: int = 1
     assumptions: tuple[str, ...] = ()
+    decode_ep: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", MappingProxyType(dict(self.config)))
         if self.weight_bytes_per_param <= 0:
             raise ValueError(f"model {self.name}: weight_bytes_per_param must be > 0")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"model {self.name}: ep must be an int >= 1, got {self.ep!r}")
+        if self.decode_ep is None:
+            object.__setattr__(self, "decode_ep", self.ep)
         n_routed = self.config.get("n_routed_experts") or 0
-        if n_routed and self.ep > n_routed:
-            raise ValueError(f"model {self.name}: ep={self.ep} exceeds its {n_routed} routed experts")
+        for name in ("ep", "decode_ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"model {self.name}: {name} must be an int >= 1, got {v!r}")
+            if n_routed and v > n_routed:
+                raise ValueError(f"model {self.name}: {name}={v} exceeds its {n_routed} routed experts")
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -335,11 +346,12 @@ DS27B_ASSUMPTIONS: tuple[str, ...] = (
 
 MODELS: dict[str, TargetModel] = {
     "deepseek-v3": TargetModel("deepseek-v3", _HF.format("deepseek-ai/DeepSeek-V3"), DEEPSEEK_V3_CONFIG,
-                               weight_bytes_per_param=FP8_BYTES, ep=EP_DS_660B),
+                               weight_bytes_per_param=FP8_BYTES, ep=EP_DS_660B, decode_ep=DECODE_EP_DS_660B),
     "deepseek-v3.2": TargetModel("deepseek-v3.2", _HF.format("deepseek-ai/DeepSeek-V3.2"), DEEPSEEK_V32_CONFIG,
-                                 weight_bytes_per_param=FP8_BYTES, ep=EP_DS_660B),
+                                 weight_bytes_per_param=FP8_BYTES, ep=EP_DS_660B, decode_ep=DECODE_EP_DS_660B),
     "ds-27b": TargetModel("ds-27b", "DualPath paper appendix A.2 plus assumptions", DS27B_CONFIG,
-                          weight_bytes_per_param=FP8_BYTES, ep=EP_DS_27B, assumptions=DS27B_ASSUMPTIONS),
+                          weight_bytes_per_param=FP8_BYTES, ep=EP_DS_27B, assumptions=DS27B_ASSUMPTIONS,
+                          decode_ep=DECODE_EP_DS_27B),
     "qwen2.5-32b": TargetModel("qwen2.5-32b", _HF.format("Qwen/Qwen2.5-32B"), QWEN25_32B_CONFIG,
                                weight_bytes_per_param=BF16_BYTES, ep=1),
 }

@@ -447,6 +447,7 @@ def fit_jitter(runs: Sequence[Run], cal: Calibration, seeds: int = JITTER_SEEDS,
 # defaults they describe the cluster those runs had, so they are left out and the recorded
 # identities still match (with them in, every run became "held out" from its own fit).
 LATER_FIELDS = ("connector", "store", "servers", "place", "tunnel")
+LATER_TARGET_FIELDS = ("hbm_length_scale",)  # the same, inside `target:`
 
 
 def topology_contents(run: Run) -> dict[str, Any]:
@@ -455,7 +456,10 @@ def topology_contents(run: Run) -> dict[str, Any]:
     spec = run_topology(run).spec
     fields = type(spec).model_fields
     at_default = {f for f in LATER_FIELDS if getattr(spec, f) == fields[f].get_default(call_default_factory=True)}
-    return spec.model_dump(mode="json", exclude={"name", "description", *at_default})
+    target_fields = type(spec.target).model_fields
+    target_at_default = {f for f in LATER_TARGET_FIELDS if getattr(spec.target, f) == target_fields[f].get_default()}
+    return spec.model_dump(mode="json", exclude={"name": True, "description": True, **{f: True for f in at_default},
+                                                 "target": target_at_default})
 
 
 def config_identity(run: Run) -> str:
