@@ -227,14 +227,42 @@ def test_fig12_right_ladder_reductions(tmp_path):
     s = summary(out)
     check_interface(out, s, "fig12")
     assert s["pngs"] == ["fig12_right.png"]  # no left panel without online runs
-    assert s["complete"] is False and all(k.startswith("online/") for k in s["missing"])
+    assert s["complete"] is False and all(k.startswith(("online/", "fig12/hbm/")) for k in s["missing"])
     assert s["faithful"] is True  # every run used was faithful
     h = heads(s)
-    r = h["right: +Layerwise mean JCT reduction vs Basic (share)"]
+    r = h["right: +Layerwise mean JCT reduction vs Basic (share) (Qwen2.5-32B ladder, HBM does not bind)"]
     assert r["testbed"] == pytest.approx(0.2) and r["paper"] == 0.1721 and r["bound"] == pytest.approx(0.5)
+    assert h["right, where HBM binds (DS 660B, 1p1d-hbm): +Layerwise mean JCT reduction vs Basic (share)"]["testbed"] is None
     assert h["right: DualPath mean JCT reduction vs Basic (share)"]["testbed"] == pytest.approx(0.45)
     assert h["right: +DualPath (round-robin) mean JCT reduction vs Basic (share)"]["paper"] == 0.3819
     assert "Poisson arrivals" in (out / "report.md").read_text()  # the missing online runs are named
+
+
+def test_fig12s_first_step_where_hbm_binds_is_its_own_headline_with_the_share_of_full_passes(tmp_path):
+    """The +Layerwise step on 1p1d-hbm comes from those runs alone (not the Qwen ladder's), and the
+    report says how many of each mode's passes HBM filled."""
+    from testbed.reproduce.fig12 import hbm_configs
+
+    class P:
+        configs = ladder_configs(True) + hbm_configs(True)
+
+    def passes(full: int, n: int = 10) -> list[dict]:
+        return [{"n": 4, "batch_tokens": 8000, "hbm_peak_bytes": 4e8, "hbm_limited": i < full} for i in range(n)]
+
+    runs_for_plan(tmp_path / "runs", P, lambda c, m: {"basic": 100.0, "layerwise": 94.0}[m]
+                  if c.params.get("hbm") else LADDER_JCT[m], bound=lambda c: 2.0)
+    hbm_dir = tmp_path / "runs" / hbm_configs(True)[0].folder()
+    rows = [{"mode": m, **r} for m, full in (("basic", 6), ("layerwise", 0)) for r in passes(full)]  # 6 of Basic's 10 full
+    (hbm_dir / "passes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, _ = reproduce_id("fig12", quick=True, out_root=tmp_path / "out", run_folders=[tmp_path / "runs"], **QUIET)
+    s = summary(out)
+    h = heads(s)
+    assert h["right, where HBM binds (DS 660B, 1p1d-hbm): +Layerwise mean JCT reduction vs Basic (share)"]["testbed"] \
+        == pytest.approx(0.06)
+    assert h["right: +Layerwise mean JCT reduction vs Basic (share) (Qwen2.5-32B ladder, HBM does not bind)"]["testbed"] \
+        == pytest.approx(0.2)
+    assert s["hbm_full_share"] == {"basic": pytest.approx(0.6), "layerwise": 0.0}
+    assert "Basic 60%, +Layerwise 0% of prefill passes were HBM-full" in (out / "report.md").read_text()
 
 
 def test_fig12_right_unfaithful_when_the_ladder_is(tmp_path):

@@ -15,12 +15,17 @@ alloc as 0 (said in the report). Means over the measured requests of each (APS, 
 
 Right (offline): the ladder basic, +layerwise, +dual-path (round-robin), +scheduler (dualpath),
 and oracle, JCT relative to Basic; the paper's reductions are 17.21 %, 38.19 % and 45.62 %
-(DS 660B, 64K, 1024 and 2048 agents).
+(DS 660B, 64K, 1024 and 2048 agents). The ladder runs Qwen2.5-32B on 1p1d-io, where the target's
+HBM does not bind (12 requests fit a Basic pass, more than its passes hold), so its +Layerwise step
+is overlap alone. The first step is measured apart where HBM binds (DESIGN.md 3a): DS 660B on
+1p1d-hbm, its budget over the length scale, at the paper's agents per prefill engine (1024 agents
+on 2P4D's 16 prefill GPUs is 64 per engine: 128 on 1P1D's two; the full size adds 2048's 256).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from emulators.gpu.memory import LAYERS_IN_FLIGHT
 from testbed.measure import plots
 from testbed.measure.metrics import batch_sizes
 from testbed.reproduce import online, paper
@@ -35,6 +40,16 @@ PARTS = ("queue", "alloc", "read", "prefill")
 PART_COLORS = {"queue": "#8c8c8c", "alloc": "#ccb974", "read": "#4c72b0", "prefill": "#c44e52"}
 TOPOLOGY = "1p1d-io"
 LADDER_TURNS = 2.5  # the full ladder's turn divisor (fig7's)
+HBM_TOPOLOGY = "1p1d-hbm"
+HBM_STEP = ("basic", "layerwise")
+HBM_AGENTS = {True: (128,), False: (128, 256)}  # the paper's 1024 and 2048 agents per prefill engine
+
+
+def hbm_configs(quick: bool) -> list[RunConfig]:
+    """The +Layerwise step where the target's HBM binds: the demo workload (contexts up to 2,048
+    tokens, the 64K MaxLen / 32) on 1p1d-hbm."""
+    return [RunConfig(f"fig12/hbm/demo-{a}", HBM_TOPOLOGY, HBM_STEP, WorkloadSpec(agents=a), params={"agents": a, "hbm": True})
+            for a in HBM_AGENTS[quick]]
 
 
 def ladder_configs(quick: bool) -> list[RunConfig]:
@@ -57,9 +72,11 @@ def plan(quick: bool = False) -> Plan:
     right = ("the demo workload, 24 agents (`make demo`)" if quick else
              f"the paper's 64K trace with lengths / {PAPER_SCALE} and turns / {LADDER_TURNS:g}, 12 and 24 agents "
              "(the paper: 1024 and 2048)")
-    return Plan(ID, quick, grid + lad, scale_down=f"left: {on.scale_down}. Right: 1P1D (1p1d-io, links "
-                                                            f"x{IO_1P1D_OVERRIDES['scale']:g}), {right}",
-                notes=on.notes, search=None)
+    step = (f"the first step also where HBM binds: DS 660B on 1P1D ({HBM_TOPOLOGY}), the demo workload, "
+            f"{' and '.join(map(str, HBM_AGENTS[quick]))} agents")
+    return Plan(ID, quick, grid + lad + hbm_configs(quick),
+                scale_down=f"left: {on.scale_down}. Right: 1P1D (1p1d-io, links x{IO_1P1D_OVERRIDES['scale']:g}), "
+                           f"{right}; {step}", notes=on.notes, search=None)
 
 
 # --------------------------------------------------------------------------- left
@@ -155,18 +172,36 @@ def render_left(br: dict, out: Path) -> list[str]:
 
 
 def right(runs: dict, quick: bool) -> list[dict]:
+    """One row per ladder run (Qwen2.5-32B, `hbm` False) and per HBM-bound step (DS 660B, `hbm` True)."""
     out = []
-    for cfg in ladder_configs(quick):
+    for cfg in ladder_configs(quick) + hbm_configs(quick):
         r = runs.get(cfg.key)
         if r is None:
             continue
-        j = {m: jct(r, m) for m in LADDER}
+        hbm = bool(cfg.params.get("hbm"))
+        j = {m: jct(r, m) if r.has(m) else None for m in LADDER}
         red = {m: (1 - j[m] / j["basic"]) if j.get(m) is not None and j.get("basic") else None for m in LADDER}
-        rel_ci = {m: ratio_draws((r, m), (r, "basic")).estimate().ci95 for m in LADDER if m != "basic"}
-        out.append({"key": cfg.key, "agents": cfg.params["agents"], "jct_s": j, "reduction": red,
-                    "relative_ci95": rel_ci, "bound": pd_bound(r),
+        rel_ci = {m: ratio_draws((r, m), (r, "basic")).estimate().ci95 for m in LADDER if m != "basic" and r.has(m)}
+        out.append({"key": cfg.key, "agents": cfg.params["agents"], "hbm": hbm,
+                    "label": f"{cfg.params['agents']}, DS 660B, HBM binds" if hbm else str(cfg.params["agents"]),
+                    "jct_s": j, "reduction": red, "relative_ci95": rel_ci, "bound": None if hbm else pd_bound(r),
                     "prefill_batches": {m: batch_sizes(r.passes(m)) for m in LADDER if r.has(m)}})
     return out
+
+
+def hbm_room() -> str:
+    """What one prefill pass of the HBM-bound cluster holds, in words, from its topology."""
+    b, ctx = hbm_configs(True)[0].topology_obj().hbm_budget(), 2048
+    basic, lw = (b.largest_batch_tokens(ctx, whole) // (ctx + 1) for whole in (True, False))
+    return (f"at a {ctx:,}-token context a Basic pass holds {basic} requests, every layer of their past resident; "
+            f"Layer Blocks hold {LAYERS_IN_FLIGHT} of {b.n_layers} layers at a time: {lw}")
+
+
+def hbm_full_share(rows: list[dict], mode: str) -> float | None:
+    """The share of `mode`'s prefill passes that HBM filled, over the HBM-bound rows."""
+    bs = [c["prefill_batches"].get(mode) for c in rows if c["hbm"]]
+    n = sum(b["batches"] for b in bs if b)
+    return sum(b["hbm_limited"] for b in bs if b) / n if n else None
 
 
 def reduction_bound(rows: list[dict]) -> float | None:
@@ -186,16 +221,16 @@ def batch_note(row: dict) -> str:
         tokens = f", {b['tokens']['max']:,} tokens at most" if b["tokens"]["max"] else ""
         return f"{plots.label(m)} {b['requests']['p50']}/{b['requests']['p90']}/{b['requests']['max']} requests{tokens}{hbm}"
 
-    return (f"Right, {row['agents']} agents, prefill batch sizes (p50/p90/max; HBM in target bytes): "
+    return (f"Right, {row['label']} agents, prefill batch sizes (p50/p90/max; HBM in target bytes): "
             + "; ".join(one(m, b) for m, b in row.get("prefill_batches", {}).items()) + ".")
 
 
 def render_right(rows: list[dict], out: Path) -> list[str]:
     if not rows:
         return []
-    fig, ax = plots.new_figure("Figure 12 (right): the ablation ladder, Qwen2.5-32B on 1P1D", "agents (JCT in the bars, emulated s)",
-                               "JCT relative to Basic (1 = Basic)")
-    groups = [str(c["agents"]) for c in rows]
+    fig, ax = plots.new_figure("Figure 12 (right): the ablation ladder, Qwen2.5-32B on 1P1D; its first step where HBM "
+                               "binds, DS 660B", "agents (JCT in the bars, emulated s)", "JCT relative to Basic (1 = Basic)")
+    groups = [c["label"] for c in rows]
     rel = {m: [(c["jct_s"][m] / c["jct_s"]["basic"]) if c["jct_s"][m] is not None and c["jct_s"]["basic"] else None
                for c in rows] for m in LADDER}
     bars = plots.grouped_bars(ax, groups, rel, annotate=False)
@@ -214,8 +249,8 @@ def render_right(rows: list[dict], out: Path) -> list[str]:
     width = 0.8 / n
     for i, m in enumerate(LADDER):
         if m in paper.FIG12_REDUCTION:
-            xs = [g + (i - (n - 1) / 2) * width for g in range(len(rows))]
-            plots.paper_points(ax, xs, [1 - paper.FIG12_REDUCTION[m]] * len(rows),
+            xs = [g + (i - (n - 1) / 2) * width for g, c in enumerate(rows) if c["jct_s"].get(m) is not None]
+            plots.paper_points(ax, xs, [1 - paper.FIG12_REDUCTION[m]] * len(xs),
                                "paper (DS 660B): 1 - its mean reduction" if m == "layerwise" else None)
     for g, c in enumerate(rows):  # each agent count has its own bound (its chain): a segment over its group
         if c["bound"]:
@@ -231,12 +266,18 @@ def render_right(rows: list[dict], out: Path) -> list[str]:
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     br = left(runs)
     rows = right(runs, quick)
-    heads = []
+    ladder = [c for c in rows if not c["hbm"]]
+
+    def reduction(m: str, of: list[dict]):
+        return mean_draws([map_draws(ratio_draws((runs[c["key"]], m), (runs[c["key"]], "basic")), lambda x: 1 - x)
+                           for c in of if c["reduction"].get(m) is not None]).estimate()
+
+    heads = [Headline.of("right, where HBM binds (DS 660B, 1p1d-hbm): +Layerwise mean JCT reduction vs Basic (share)",
+                         reduction("layerwise", [c for c in rows if c["hbm"]]), paper.FIG12_REDUCTION["layerwise"])]
     for m in ("layerwise", "dualpath-rr", "dualpath"):
-        reds = mean_draws([map_draws(ratio_draws((runs[c["key"]], m), (runs[c["key"]], "basic")), lambda x: 1 - x)
-                           for c in rows if c["reduction"].get(m) is not None])
-        heads.append(Headline.of(f"right: {plots.label(m)} mean JCT reduction vs Basic (share)", reds.estimate(),
-                                 paper.FIG12_REDUCTION[m], reduction_bound(rows)))
+        heads.append(Headline.of(f"right: {plots.label(m)} mean JCT reduction vs Basic (share)"
+                                 + (" (Qwen2.5-32B ladder, HBM does not bind)" if m == "layerwise" else ""),
+                                 reduction(m, ladder), paper.FIG12_REDUCTION[m], reduction_bound(ladder)))
     for m in online.MODES:
         heads.append(Headline.of(f"left: {plots.label(m)} mean read time at the highest / lowest APS (x; paper: "
                                  f"{'grows' if m == 'basic' else 'flat, ~1'})", read_growth(runs, m).estimate()))
@@ -248,6 +289,11 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
                          for a, d in paper.FIG12_JCT.items()) + " s.",
              ]
     notes += [batch_note(c) for c in rows]
+    full = {m: hbm_full_share(rows, m) for m in HBM_STEP}
+    if any(c["hbm"] for c in rows):
+        notes.append("Where HBM binds: " + ", ".join(f"{plots.label(m)} {v:.0%}" if v is not None else f"{plots.label(m)} n/a"
+                                                     for m, v in full.items())
+                     + f" of prefill passes were HBM-full ({hbm_room()}).")
     if quick:
         notes.append(f"Left (quick): the grid's lowest APS and the first past Basic's I/O capacity "
                      f"({online.capacity_aps('basic'):.2f} APS; DualPath's is {online.capacity_aps('dualpath'):.2f}): "
@@ -260,4 +306,4 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     if not online.online_runs(runs):
         notes.insert(0, "Left panel: no online run: " + online.NO_RUNNER)
     return Result(ID, TITLE, heads, render_left(br, out) + render_right(rows, out), used,
-                  data={"left": br, "right": rows}, notes=notes, scale_down=plan(quick).scale_down)
+                  data={"left": br, "right": rows, "hbm_full_share": full}, notes=notes, scale_down=plan(quick).scale_down)
