@@ -126,6 +126,7 @@ SHIPPED = {
     "1p1d-isolation": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, collectives on
     "1p1d-rxe": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, for the Soft-RoCE VM
     "1p1d-docker": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, in containers
+    "1p1d-hbm": ((1 / 7, 6), 4, SNIC_RX),  # 1p1d's links, DS 660B with its HBM over the length scale
 }
 
 
