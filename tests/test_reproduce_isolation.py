@@ -160,3 +160,21 @@ def test_the_kv_interval_widens_with_the_spread_of_the_windows(tmp_path):
         s["nics"]["dpt-p0e0/cnic"][0] = s["t"] * 1.2e8 + (3e7 if int(s["t"]) % 2 else 0)
     lo, hi = iso.kv_ratio_draws(r, 0.97).estimate().ci95
     assert lo < 0.97 < hi and hi - lo > 0.05
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_plan_estimates_each_condition_within_25_percent_of_the_committed_run(quick):
+    """QoS off takes about 3x idle here (its collectives wait behind the KV load's FIFO): the
+    estimate must say so, not price the three conditions alike. It takes the longer run's
+    slowdown, so the shorter run's QoS off is overestimated (by 20 %)."""
+    from testbed.reproduce.plan import MODE_OVERHEAD_S, estimate
+    from tests.conftest import REPO
+
+    cfg = iso.config(quick)
+    runs = REPO / "results" / "reproduce" / "isolation" / "runs"
+    (run,) = [p for p in runs.iterdir() if p.name.endswith(cfg.digest())]
+    measured = {m: v["jct_testbed_s"] for m, v in json.loads((run / "summary.json").read_text())["modes"].items()}
+    est = estimate(cfg)["per_mode_s"]
+    for m in iso.CONDITIONS:
+        assert est[m] - MODE_OVERHEAD_S == pytest.approx(measured[m], rel=0.25), m
+    assert est["qos_off"] > 2.5 * est["idle"]

@@ -59,6 +59,13 @@ MODE_OVERHEAD_S = 2.0  # a mode's warm-up and drain
 VERIFY_START_S = 1.5  # the worker processes' start: torch, the model
 VERIFY_S_PER_TOKEN = 2.1e-5  # per prompt token, once
 VERIFY_S_PER_CHECK = 3.6e-3  # per request of each mode checked
+# With collectives on, every pass and step also exchanges over the CNICs, which the chain model
+# leaves out; under QoS off each exchange also waits behind part of the KV load's FIFO. Measured
+# on the committed isolation runs (results/reproduce/isolation/runs, 16 agents at half the turns
+# and 24 at all of them): idle took 1.49x and 1.51x its estimate, QoS on 1.02x and 1.05x idle, QoS
+# off 2.81x and 3.43x idle (more in the longer run, as the FIFO fills); the larger of each is used.
+COLLECTIVES_SLOWDOWN = 1.51
+KV_LOAD_SLOWDOWN = {"qos_on": 1.05, "qos_off": 3.43}
 READERS = {"basic": "P", "layerwise": "P", "dualpath-rr": "PD", "dualpath": "PD", "dualpath-split": "PD",
            "oracle": "",
            # the isolation run's conditions: each an oracle pass of the workload (testbed/experiments/isolation.py)
@@ -294,6 +301,9 @@ def estimate(cfg: RunConfig) -> dict[str, Any]:
         limited[m] = ("storage NICs" if t == io else "the write-back" if t == wb else "prefill engines" if t == pe_work
                       else "decode engines" if t == de_work else
                       "arrivals" if cfg.online or wn["span_s"] else "the longest agent's chain of turns")
+        if topo.spec.collectives:
+            t *= COLLECTIVES_SLOWDOWN * KV_LOAD_SLOWDOWN.get(m, 1.0)
+            limited[m] += ", with collectives" + (" behind the KV load" if m in KV_LOAD_SLOWDOWN else "")
         per_mode[m] = round(t + MODE_OVERHEAD_S, 1)
     checked = sum(READERS.get(m, "P") != "" for m in cfg.modes)
     verify = (VERIFY_START_S + VERIFY_S_PER_TOKEN * wn["prompt_tokens"]
