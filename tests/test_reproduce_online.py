@@ -12,6 +12,15 @@ QUIET = dict(command="test", run_id="x", progress=lambda m: None)
 K = 2.0  # dilation of the hand-built runs
 
 
+@pytest.fixture(autouse=True)
+def no_paper_models(monkeypatch):
+    """fig10 and fig11 leave out the paper's simulated models here (minutes of simulation); the
+    tests of online_sim below put hand-made ones in."""
+    from testbed.reproduce import fig10
+
+    monkeypatch.setattr(fig10, "PAPER_MODELS", False)
+
+
 def reqs(ttfts, gap=1.0, tpot=0.04):
     """One request per TTFT, arriving gap emulated s apart (as online.requests() returns them)."""
     return [{"trajectory": i, "turn": 0, "arrive": i * gap, "done": i * gap + t + 1, "ttft": t, "ttst": t + 0.05,
@@ -281,3 +290,72 @@ def test_a_folder_with_both_sizes_runs_gives_each_size_its_own(tmp_path):
     assert "a search probe with" in _not_an_online_point(plan, probe, {})
     offline = SimpleNamespace(path=tmp_path / "o", key="x", aps=None, summary={})
     assert "not a run of this plan" in _not_an_online_point(plan, offline, {})
+
+
+# ---------------------------------------------------------------------------------------- the paper's models, simulated
+
+
+def fake_point(threshold: dict[str, float]):
+    """simulate_point's stand-in: a mode meets the SLO below its threshold APS."""
+    def point(row, aps, mode, quick, seed=0):
+        ok = aps < threshold[mode]
+        ttft = 0.5 if ok else 6.0
+        reqs = [{"trajectory": i, "turn": 0, "arrive": i / aps, "done": i / aps + 30, "ttft": ttft, "ttst": ttft + 0.1,
+                 "tpot": 0.03, "error": False} for i in range(40)]
+        return {**online.point_of(reqs, aps, mode), "source": "simulated", "faithful": None, "requests": 40,
+                "sim_wall_s": 0.0}
+    return point
+
+
+@pytest.fixture
+def fake_models(monkeypatch):
+    from testbed.reproduce import online_sim
+
+    monkeypatch.setattr(online_sim, "simulate_point", fake_point({"basic": 0.3, "dualpath": 0.5}))
+    monkeypatch.setattr(online_sim, "first_probe", lambda row, mode, quick: 0.2)
+    monkeypatch.setattr(online_sim, "unloaded_jct_s", lambda row, quick, seed=0: 100.0)
+    online_sim.models.cache_clear()
+    yield online_sim
+    online_sim.models.cache_clear()
+
+
+def test_each_paper_model_is_searched_to_a_10_percent_bracket_and_labelled_simulated(fake_models):
+    m = fake_models.search_row(fake_models.ROWS[0], quick=True, progress=lambda _m: None)
+    for mode, thr in (("basic", 0.3), ("dualpath", 0.5)):
+        b = m["brackets"][mode]
+        assert b["met"] < thr <= b["failed"] and (b["failed"] - b["met"]) <= 0.1 * b["met"] * (1 + 1e-9)
+    lo, hi = m["ratio_interval"]
+    assert lo <= 0.5 / 0.3 <= hi and m["source"] == "simulated" and m["faithful"] is None
+    assert {r.label for r in fake_models.ROWS} == {"DS 27B", "DS 660B"}  # the models the paper plots
+
+
+def test_fig10_and_fig11_put_the_paper_models_under_simulated_never_testbed(tmp_path, monkeypatch, fake_models):
+    from testbed.reproduce import fig10
+
+    monkeypatch.setattr(fig10, "PAPER_MODELS", True)
+    online_run(tmp_path / "runs" / "a1", 1.0, {"basic": False, "dualpath": False}).write(aps=1.0)
+    for fig in ("fig10", "fig11"):
+        out, _ = reproduce_id(fig, quick=True, out_root=tmp_path / fig, run_folders=[tmp_path / "runs"], **QUIET)
+        s = json.loads((out / "summary.json").read_text())
+        sim = [h for h in s["headline"] if "simulated" in h["name"]]
+        assert len(sim) == 2 and all(h["testbed"] is None and h["simulated"] is not None for h in sim), sim
+        assert all("simulated" not in h for h in s["headline"] if h not in sim)
+        assert [m["model"] for m in s["models"]] == ["DS 660B", "DS 27B"]
+        assert all(p["source"] == "simulated" and p["faithful"] is None
+                   for m in s["models"] for pts in m["points"].values() for p in pts)
+        assert is_valid_png(out / f"{fig}_models.png")
+        assert "(simulated)" in (out / "report.md").read_text()
+    ratio = next(h for h in json.loads((tmp_path / "fig10").glob("fig10/*/summary.json").__next__().read_text())["headline"]
+                 if "DS 27B" in h["name"])
+    assert ratio["simulated"] == pytest.approx(ratio["interval"][0], rel=0.25) and ratio["paper"] == 1.67
+
+
+def test_simulated_records_become_requests_in_emulated_seconds():
+    from types import SimpleNamespace
+
+    from testbed.reproduce.online_sim import sim_requests
+
+    r = SimpleNamespace(trajectory=3, turn=1, t_arrive=10.0, t_done=30.0, error="", token_times=[12.0, 13.0, 14.0, 15.0])
+    (q,) = sim_requests([r], dilation=2.0)
+    assert q == {"trajectory": 3, "turn": 1, "arrive": 5.0, "done": 15.0, "error": False, "ttft": 1.0, "ttst": 1.5,
+                 "tpot": 0.5}

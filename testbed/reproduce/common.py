@@ -35,12 +35,18 @@ class Headline:
     ci95: tuple[float, float] | None = None
     ci_method: str | None = None  # how ci95 was computed, in words
     interval: tuple[float, float] | None = None  # what a bracketed search allows (not a confidence interval)
+    simulated: bool = False  # the value is the simulator's: the summary puts it under "simulated", never "testbed"
 
     def to_dict(self) -> dict[str, Any]:
         ci = [_num(self.ci95[0]), _num(self.ci95[1])] if self.ci95 else None
-        return {"name": self.name, "testbed": _num(self.testbed), "paper": _num(self.paper), "bound": _num(self.bound),
+        value = {"testbed": None, "simulated": _num(self.testbed)} if self.simulated else {"testbed": _num(self.testbed)}
+        return {"name": self.name, **value, "paper": _num(self.paper), "bound": _num(self.bound),
                 "n": self.n, "ci95": ci, "ci_method": self.ci_method if ci or self.says_why_no_interval else None,
                 "interval": [_num(self.interval[0]), _num(self.interval[1])] if self.interval else None}
+
+    def value_text(self) -> str:
+        """The value as the report's table shows it: a simulated one says so."""
+        return f"{fmt(self.testbed)} (simulated)" if self.simulated and self.testbed is not None else fmt(self.testbed)
 
     @property
     def says_why_no_interval(self) -> bool:
@@ -172,7 +178,7 @@ class Result:
         for h in self.headline:
             ci = (f"[{fmt(h.ci95[0])}, {fmt(h.ci95[1])}]" if h.ci95 else
                   f"bracket [{fmt(h.interval[0])}, {fmt(h.interval[1])}]" if h.interval else "—")
-            out.append(f"| {h.name} | {fmt(h.testbed)} | {ci} | {h.n if h.n is not None else '—'} | {fmt(h.paper)} "
+            out.append(f"| {h.name} | {h.value_text()} | {ci} | {h.n if h.n is not None else '—'} | {fmt(h.paper)} "
                        f"| {fmt(h.bound)} |")
         out.append("")
         methods = sorted({h.ci_method for h in self.headline if h.ci95 and h.ci_method})

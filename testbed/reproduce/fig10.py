@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.measure import plots
-from testbed.reproduce import online, paper
+from testbed.reproduce import online, online_sim, paper, paper_rows
 from testbed.reproduce.common import Headline, Result, UsedRun, pd_bound, ratio, where
 
 ID = "fig10"
@@ -22,8 +22,72 @@ METRICS = (("ttft", "TTFT (emulated s)", paper.SLO_TTFT_S, 1.0), ("ttst", "TTST 
            ("tpot", "TPOT (emulated ms)", paper.SLO_TPOT_S, 1e3))
 
 
+PAPER_MODELS = True  # the paper's DS models, simulated (online_sim); tests turn it off (minutes of simulation)
+
+
 def plan(quick: bool = False):
-    return online.online_plan(ID, quick)
+    from dataclasses import replace
+
+    p = online.online_plan(ID, quick)
+    return replace(p, notes=[*p.notes, online_sim.PLAN_NOTE])
+
+
+def paper_models(quick: bool) -> tuple[dict, ...]:
+    return online_sim.models(quick) if PAPER_MODELS else ()
+
+
+def model_headlines(models: tuple[dict, ...]) -> list[Headline]:
+    """Per simulated model: DualPath's capacity over Basic's, with the interval the brackets allow."""
+    return [Headline(f"{m['model']} on {m['cluster']}, simulated (each agent's last {m['keep_turns']} turns): DualPath / Basic highest APS "
+                     "under the SLO (x)", m["ratio"], m["paper_ratio"], interval=m["ratio_interval"], simulated=True)
+            for m in models]
+
+
+def model_notes(models: tuple[dict, ...]) -> list[str]:
+    """Each simulated model's brackets in words, and the simulator's validation beside them."""
+    if not models:
+        return []
+    val = paper_rows.validation()
+    err = (f"the simulator's committed validation: mean JCT error {val['mean_jct_err']:.2%}, max {val['max_jct_err']:.2%} "
+           f"over {val['runs']} testbed runs at the testbed's scale ({val['report']})" if val else "no committed validation")
+    out = [f"The paper's models (simulated, the paper's clusters and lengths, the 64K set, each agent's last turns: "
+           f"testbed.reproduce.online_sim); no testbed run checks them at this scale; {err}."]
+    for m in models:
+        br = "; ".join(f"{plots.label(k)} met {b['met']:.3g}, failed {b['failed']:.3g}" if b["met"] and b["failed"] else
+                       f"{plots.label(k)} met {b['met']}, failed {b['failed']}" for k, b in m["brackets"].items())
+        out.append(f"{m['model']} on {m['cluster']} (simulated): {br} APS (an agent alone: JCT "
+                   f"{m['unloaded_jct_s']:.0f} s; each agent brings its last {m['keep_turns']} turns, the paper's about 157).")
+    return out
+
+
+def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
+    """TTFT against APS for each simulated model, its SLO and each mode's capacity."""
+    if not models:
+        return []
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for mode, pts in m["points"].items():
+            plots.mode_line(ax, [p["aps"] for p in pts], [p["ttft"]["mean"] for p in pts], mode)
+            over = [p for p in pts if not p["meets_slo"] and p["ttft"]["mean"] is not None]
+            ax.scatter([p["aps"] for p in over], [p["ttft"]["mean"] for p in over], marker="x", s=40,
+                       color=plots.color(mode), zorder=6)
+            b = m["brackets"][mode]
+            if b.get("met"):
+                ax.axvline(b["met"], ls="-.", lw=0.9, color=plots.color(mode),
+                           label=f"{plots.label(mode)}: capacity {b['met']:.3g} APS")
+        plots.slo_hline(ax, paper.SLO_TTFT_S, f"SLO ({paper.SLO_TTFT_S:g} s)")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_title(f"{m['model']} on {m['cluster']} (simulated)", fontsize=10)
+        ax.set_xlabel("load (agents per emulated second, APS)")
+        ax.set_ylabel("mean TTFT (s, simulated)")
+        plots.legend(ax, loc="upper left")
+    plots.caption(fig, "Simulated: the paper's clusters and lengths, the 64K set, each agent's last turns; x: fails the SLO. "
+                       f"Paper: DualPath / Basic {paper.FIG10_CAPACITY_RATIO['DS 27B']}x (DS 27B), "
+                       f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).")
+    plots.save(fig, out / "fig10_models.png")
+    return ["fig10_models.png"]
 
 
 def used_of(runs: dict) -> list[UsedRun]:
@@ -129,9 +193,20 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     notes += capacity_notes(cur, caps, plan_.search.rel_tol)
     if not ons:
         notes.insert(0, "No online run: " + online.NO_RUNNER)
-    return Result(ID, TITLE, heads, render(cur, caps, out), used_of(runs),
-                  data={"curves": cur, "capacity": caps,
+    models = paper_models(quick)
+    heads += model_headlines(models)
+    notes += model_notes(models)
+    return Result(ID, TITLE, heads, render(cur, caps, out) + render_models(models, out), used_of(runs),
+                  data={"curves": cur, "capacity": caps, "models": [model_entry(m) for m in models],
                         "capacity_aps": {m: b["met"] for m, b in caps.items()},
                         "capacity_is_lower_bound": [m for m, b in caps.items() if b["met"] is not None and not b["failed"]],
                         "slo_vs_saturation_disagreements": online.agreement(cur)},
                   notes=notes, scale_down=plan_.scale_down)
+
+
+def model_entry(m: dict) -> dict:
+    """A simulated model in the summary: every key says where its numbers come from."""
+    return {**{k: v for k, v in m.items() if k != "points"},
+            "points": {mode: [{k: p[k] for k in ("aps", "meets_slo", "ttft", "tpot", "jct_mean", "agents", "requests",
+                                                 "source", "faithful")} | {"reasons": p["verdict"].get("reasons", [])}
+                              for p in pts] for mode, pts in m["points"].items()}}

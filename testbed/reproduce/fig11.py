@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.measure import plots
-from testbed.reproduce import online
+from testbed.reproduce import online, online_sim
 from testbed.reproduce.common import Headline, Result
-from testbed.reproduce.fig10 import used_of
+from testbed.reproduce.fig10 import model_entry, paper_models, used_of
 from testbed.reproduce.spread import sample_draws, sample_ratio_draws
 
 ID = "fig11"
@@ -19,7 +19,10 @@ TITLE = "Online average JCT against APS"
 
 
 def plan(quick: bool = False):
-    return online.online_plan(ID, quick)
+    from dataclasses import replace
+
+    p = online.online_plan(ID, quick)
+    return replace(p, notes=[*p.notes, online_sim.PLAN_NOTE])
 
 
 def render(cur: dict, caps: dict, out: Path) -> list[str]:
@@ -55,6 +58,41 @@ def agent_jcts_at(runs: dict, aps: float | None) -> dict[str, list[float]]:
             for m in online.MODES}
 
 
+def model_headlines(models: tuple[dict, ...]) -> list[Headline]:
+    """Per simulated model: Basic's mean agent JCT over DualPath's at the highest APS both meet."""
+    out = []
+    for m in models:
+        at = common_point(m["points"])
+        jct = {mode: next((p["jct_mean"] for p in pts if p["aps"] == at), None) for mode, pts in m["points"].items()}
+        r = jct["basic"] / jct["dualpath"] if at is not None and jct["basic"] and jct["dualpath"] else None
+        out.append(Headline(f"{m['model']} on {m['cluster']}, simulated (each agent's last {m['keep_turns']} turns): Basic / DualPath mean JCT "
+                            f"at {'the highest APS both meet' if at is None else f'{at:.3g} APS'} (x)", r, simulated=True))
+    return out
+
+
+def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
+    if not models:
+        return []
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for mode, pts in m["points"].items():
+            plots.mode_line(ax, [p["aps"] for p in pts], [p["jct_mean"] for p in pts], mode)
+            over = [p for p in pts if not p["meets_slo"]]
+            ax.scatter([p["aps"] for p in over], [p["jct_mean"] for p in over], marker="x", color=plots.color(mode), s=40,
+                       zorder=6)
+        ax.set_title(f"{m['model']} on {m['cluster']} (simulated)", fontsize=10)
+        ax.set_xlabel("load (agents per emulated second, APS)")
+        ax.set_ylabel("mean JCT per agent (s, simulated)")
+        ax.set_ylim(bottom=0)
+        plots.legend(ax, loc="upper left")
+    plots.caption(fig, "Simulated: the paper's clusters and lengths, the 64K set, each agent's last turns (JCTs and APS are "
+                       "not the paper's: each agent has fewer turns); x: fails the SLO.")
+    plots.save(fig, out / "fig11_models.png")
+    return ["fig11_models.png"]
+
+
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
     cur = online.curves(runs)
     caps = online.capacities(cur)
@@ -70,7 +108,10 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              "(lambda x mean JCT x total length / 2: 69 GB at 0.1 APS to 681 GB at 0.45 APS for DS 660B)."]
     if not online.online_runs(runs):
         notes.insert(0, "No online run: " + online.NO_RUNNER)
-    return Result(ID, TITLE, heads, render(cur, caps, out), used_of(runs),
+    models = paper_models(quick)
+    heads += model_headlines(models)
+    return Result(ID, TITLE, heads, render(cur, caps, out) + render_models(models, out), used_of(runs),
                   data={"curves": {m: [{k: p[k] for k in ("aps", "jct_mean", "agents", "meets_slo")} for p in pts]
-                                   for m, pts in cur.items()}, "capacity_aps": caps, "common_aps": at},
+                                   for m, pts in cur.items()}, "capacity_aps": caps, "common_aps": at,
+                        "models": [model_entry(m) for m in models]},
                   notes=notes, scale_down=plan(quick).scale_down)

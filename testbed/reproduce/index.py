@@ -35,7 +35,7 @@ def latest_reports(root: Path, fig_id: str) -> dict[str, tuple[Path, dict[str, A
 
 
 def _value(h: dict[str, Any]) -> str:
-    v = fmt(h.get("testbed"))
+    v = fmt(h.get("testbed")) if h.get("simulated") is None else f"{fmt(h['simulated'])} (simulated)"
     if h.get("ci95"):
         v += f" [{fmt(h['ci95'][0])}, {fmt(h['ci95'][1])}]"
     elif h.get("interval"):

@@ -239,11 +239,19 @@ def point(run: Run, mode: str, **slo) -> dict[str, Any]:
     agents' mean JCT, and the SLO verdict."""
     reqs = requests(run, mode)
     meas, span = measured(reqs)
-    v = slo_verdict(reqs, busy=storage_busy(run, mode, span) if meas else None, **slo)
+    busy = storage_busy(run, mode, span) if meas else None
+    return {**point_of(reqs, run.aps, mode, busy, **slo), "faithful": run.faithful([mode])}
+
+
+def point_of(reqs: Sequence[dict], aps: float, mode: str, busy: dict[str, float] | None = None, **slo) -> dict[str, Any]:
+    """A point from its requests (`requests`' form), wherever they came from: a testbed run or a
+    simulation (which has no storage NIC counters: `busy` None)."""
+    meas, _ = measured(reqs)
+    v = slo_verdict(reqs, busy=busy, **slo)
     ok = [r for r in meas if not r["error"]]
-    return {"aps": run.aps, "mode": mode, "ttft": stat(r["ttft"] for r in ok), "ttst": stat(r["ttst"] for r in ok),
+    return {"aps": aps, "mode": mode, "ttft": stat(r["ttft"] for r in ok), "ttst": stat(r["ttst"] for r in ok),
             "tpot": stat(r["tpot"] for r in ok), "jct_mean": mean(agent_jcts(reqs)), "agents": len({r["trajectory"] for r in reqs}),
-            "meets_slo": v["meets"], "verdict": v, "faithful": run.faithful([mode])}
+            "meets_slo": v["meets"], "verdict": v}
 
 
 # --------------------------------------------------------------------------- the search
