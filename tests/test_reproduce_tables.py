@@ -17,7 +17,7 @@ def t1(tmp_path_factory):
 
 def test_table1_summary_interface(t1):
     out, s = t1
-    assert s["id"] == "table1" and s["faithful"] is True
+    assert s["id"] == "table1" and s["faithful"] is None and s["is_result"] is True
     assert s["pngs"] == ["table1.png"] and is_valid_png(out / "table1.png")
     for h in s["headline"]:
         assert set(h) == HEADLINE_KEYS and h["bound"] is None and h["n"] is None and h["ci95"] is None
@@ -59,7 +59,7 @@ def t2(tmp_path_factory):
 
 def test_table2_summary_and_png(t2):
     out, s = t2
-    assert s["id"] == "table2" and s["faithful"] is True and s["scale_factor"] == 32
+    assert s["id"] == "table2" and s["faithful"] is None and s["scale_factor"] == 32
     assert s["pngs"] == ["table2.png"] and is_valid_png(out / "table2.png")
     assert "divided by 32" in s["scale_down"] and "divided by 32" in (out / "report.md").read_text()
     assert [p["preset"] for p in s["presets"]] == ["32K", "48K", "64K"]

@@ -46,7 +46,9 @@ def test_table3_projects_near_linear_scaling_and_the_scheduler_cost(tiny, tmp_pa
     assert d["scaling_within_tolerance"], d["jct_ratio"]
     assert d["online"]["44p88d"]["aps"] == pytest.approx(22 * d["online"]["2p4d-paper"]["aps"])
     assert 0 < d["scheduler_cores_max"]
-    assert r.no_runs_needed and r.faithful
+    assert r.no_runs_needed and r.faithful is None and r.is_result  # no testbed run: nothing to be FAITHFUL about
+    s = r.summary("test", True, None)
+    assert s["faithful"] is None and all(h["testbed"] is None and h["simulated"] is not None for h in s["headline"])
 
 
 def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
@@ -58,3 +60,6 @@ def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
     assert all(v is None or v > 0 for v in s["ttft_mean_s"])
     r = fig15.reproduce({}, tmp_path, quick=True)
     assert (tmp_path / "fig15.png").exists() and r.headline[0].testbed > 0
+    heads = r.summary("test", True, None)["headline"]
+    assert all(h["testbed"] is None and "simulated" in h for h in heads) and heads[0]["simulated"] > 0
+    assert "(simulated)" in "\n".join(r.report_lines("test"))

@@ -121,15 +121,15 @@ class Result:
 
     @property
     def is_result(self) -> bool:
-        """FAITHFUL, complete, and every headline on enough samples (DESIGN §9)."""
-        return self.faithful and not self.missing and not self.shortfalls
+        """FAITHFUL (or needing no run), complete, and every headline on enough samples (DESIGN §9)."""
+        return self.faithful is not False and not self.missing and not self.shortfalls
 
     @property
-    def faithful(self) -> bool:
-        """True only if every run used was FAITHFUL in every mode used (and some run was used,
-        unless the id needs none)."""
+    def faithful(self) -> bool | None:
+        """True only if every run used was FAITHFUL in every mode used (and some run was used);
+        None for an id that uses no testbed run (models, generators, the simulator)."""
         if self.no_runs_needed:
-            return True
+            return None
         return bool(self.used) and all(u.run.faithful(u.modes) for u in self.used)
 
     def summary(self, command: str, quick: bool, plan: dict[str, Any] | None) -> dict[str, Any]:
