@@ -290,6 +290,13 @@ def test_a_folder_with_both_sizes_runs_gives_each_size_its_own(tmp_path):
     assert "a search probe with" in _not_an_online_point(plan, probe, {})
     offline = SimpleNamespace(path=tmp_path / "o", key="x", aps=None, summary={})
     assert "not a run of this plan" in _not_an_online_point(plan, offline, {})
+    # the full grid's last point (1.05x DualPath's capacity, 69 agents) is no point of the quick grid
+    full_last = id_plan("fig10", False, 0, None).configs[-1]
+    grid = SimpleNamespace(path=tmp_path / "g", key=full_last.key, aps=full_last.online.aps,
+                           summary={"trajectories": full_last.workload.agents})
+    assert full_last.key not in {c.key for c in plan.configs}
+    assert "a grid point with 69 agents" in _not_an_online_point(plan, grid, {})
+    assert _not_an_online_point(id_plan("fig10", False, 0, None), grid, {}) is None
 
 
 # ---------------------------------------------------------------------------------------- the paper's models, simulated

@@ -68,7 +68,8 @@ def reproduce(fig: Optional[str] = typer.Argument(None, help="table1 ... table3,
             return "—" if v is None else f"{v:.4g}"
         ci = f" [{f(h.ci95[0])}, {f(h.ci95[1])}]" if h.ci95 else ""
         n = f" (n = {h.n})" if h.n is not None else ""
-        typer.echo(f"  {h.name}: testbed {f(h.testbed)}{ci}{n}, paper {f(h.paper)}, bound {f(h.bound)}")
+        typer.echo(f"  {h.name}: {'simulated' if h.simulated else 'testbed'} {f(h.testbed)}{ci}{n}, paper {f(h.paper)}, "
+                   f"bound {f(h.bound)}")
     verdict = ("no runs needed" if result.no_runs_needed else "FAITHFUL" if result.faithful else
                "NOT FAITHFUL" if result.used else "no run available")
     typer.echo(f"{fig}: {verdict}")

@@ -85,14 +85,19 @@ def match_runs(plan, runs) -> tuple[dict, list]:
 def _not_an_online_point(plan, run, taken: dict) -> str | None:
     """Why a run the plan's configs did not take is no point of its online curves (None: it is).
     A folder may hold both sizes' runs (--quick and full): a run whose key a run of this size
-    already has, or a search probe with another size's agents per APS, belongs to the other."""
+    already has, or a grid point or search probe with another size's agents per APS, belongs to
+    the other."""
     from testbed.reproduce.execute import probe_agents
+    from testbed.reproduce.online import grid_agents
 
     if not plan.needs_online or run.aps is None:
         return "not a run of this plan (no matching plan.json)"
     if run.key and run.key in taken:
         return f"{taken[run.key].path.name} is this size's run of {run.key}"
     agents = run.summary.get("trajectories")
+    if run.key and run.key.count("/") == 1 and agents != grid_agents(run.aps, plan.quick):
+        return (f"a grid point with {agents} agents at {run.aps:g} APS, where this size's grid runs "
+                f"{grid_agents(run.aps, plan.quick)}")
     if plan.search and run.key and run.key.count("/") == 2 and agents != probe_agents(plan, run.aps):
         return (f"a search probe with {agents} agents at {run.aps:g} APS, where this size's search runs "
                 f"{probe_agents(plan, run.aps)}")

@@ -53,6 +53,7 @@ STEADY_FLOOR = 0.05  # of the SLO's TTFT
 # A storage NIC busier than this over the measured span is past what it serves (see slo_verdict).
 SATURATED = 0.98
 MODES = ("basic", "dualpath")
+ARRIVALS_S = {True: 7.0, False: 14.0}  # emulated seconds of arrivals per grid run (--quick, full)
 NO_RUNNER = ("none of the runs given has Poisson arrivals (`dualpath run --aps`, or this figure's own runs); "
              "this analysis needs one")
 TOPOLOGY = "1p1d-io"
@@ -74,15 +75,19 @@ def online_configs(quick: bool) -> list[RunConfig]:
     # so that the grid and the bisection fit the hour an id may take here (seven points of 20 s
     # took 106 min by --plan before a probe)
     fractions = (0.3, 0.55, 0.8) if quick else (0.3, 0.55, 0.8, 1.05)
-    arrivals_s = 7.0 if quick else 14.0  # emulated seconds of arrivals per run
     out = []
     for f in fractions:
         aps = round(cap * f, 2)
-        agents = max(12 if quick else 24, round(aps * arrivals_s))
+        agents = grid_agents(aps, quick)
         out.append(RunConfig(f"online/aps={aps:g}", TOPOLOGY, MODES, WorkloadSpec(agents=agents),
                              topology_overrides=dict(IO_1P1D_OVERRIDES), online=OnlineSpec(aps=aps, seed=0),
                              params={"aps": aps}))
     return out
+
+
+def grid_agents(aps: float, quick: bool) -> int:
+    """The agents of a grid point at `aps`: ARRIVALS_S of arrivals, at least a floor."""
+    return max(12 if quick else 24, round(aps * ARRIVALS_S[quick]))
 
 
 def online_plan(fig_id: str, quick: bool) -> Plan:
