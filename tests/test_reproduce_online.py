@@ -333,6 +333,8 @@ def test_each_paper_model_is_searched_to_a_10_percent_bracket_and_labelled_simul
         assert b["met"] < thr <= b["failed"] and (b["failed"] - b["met"]) <= 0.1 * b["met"] * (1 + 1e-9)
     lo, hi = m["ratio_interval"]
     assert lo <= 0.5 / 0.3 <= hi and m["source"] == "simulated" and m["faithful"] is None
+    # DualPath is also simulated at Basic's capacity, so that fig11 has an APS where both meet the SLO
+    assert m["brackets"]["basic"]["met"] in [p["aps"] for p in m["points"]["dualpath"] if p["meets_slo"]]
     assert {r.label for r in fake_models.ROWS} == {"DS 27B", "DS 660B"}  # the models the paper plots
 
 
@@ -346,6 +348,8 @@ def test_fig10_and_fig11_put_the_paper_models_under_simulated_never_testbed(tmp_
         s = json.loads((out / "summary.json").read_text())
         sim = [h for h in s["headline"] if "simulated" in h["name"]]
         assert len(sim) == 2 and all(h["testbed"] is None and h["simulated"] is not None for h in sim), sim
+        if fig == "fig11":  # both modes at Basic's capacity: the same JCTs in the stand-in, so 1
+            assert all(h["simulated"] == pytest.approx(1.0) for h in sim)
         assert all("simulated" not in h for h in s["headline"] if h not in sim)
         assert [m["model"] for m in s["models"]] == ["DS 660B", "DS 27B"]
         assert all(p["source"] == "simulated" and p["faithful"] is None

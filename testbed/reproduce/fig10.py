@@ -39,7 +39,8 @@ def paper_models(quick: bool) -> tuple[dict, ...]:
 def model_headlines(models: tuple[dict, ...]) -> list[Headline]:
     """Per simulated model: DualPath's capacity over Basic's, with the interval the brackets allow."""
     return [Headline(f"{m['model']} on {m['cluster']}, simulated (each agent's last {m['keep_turns']} turns): DualPath / Basic highest APS "
-                     "under the SLO (x)", m["ratio"], m["paper_ratio"], interval=m["ratio_interval"], simulated=True)
+                     "under the SLO (x)", m["ratio"], m["paper_ratio"], m.get("bound"), interval=m["ratio_interval"],
+                     simulated=True)
             for m in models]
 
 

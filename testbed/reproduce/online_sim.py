@@ -133,13 +133,18 @@ def search_row(row: PaperRow, quick: bool, progress: Callable[[str], None] = pri
 
         a0 = first_probe(row, mode, quick)
         online.search(evaluate, [(a0, evaluate(a0))], max_probes=MAX_PROBES - 1)
-        points[mode] = sorted(done, key=lambda p: p["aps"])
+        points[mode] = done
     br = online.brackets(points)
+    common = br["basic"]["met"]  # fig11 compares the modes' JCTs where both meet the SLO: Basic's capacity
+    if common is not None and all(p["aps"] != common for p in points["dualpath"]):
+        points["dualpath"].append(simulate_point(row, common, "dualpath", quick))
+    points = {m: sorted(pts, key=lambda p: p["aps"]) for m, pts in points.items()}
     return {"model": row.label, "cluster": row.cluster, "target": row.model, "source": "simulated", "faithful": None,
             "keep_turns": KEEP_TURNS[quick], "points": points, "brackets": br,
             "ratio": (br["dualpath"]["met"] / br["basic"]["met"]) if br["basic"]["met"] and br["dualpath"]["met"] else None,
             "ratio_interval": online.ratio_interval(br["dualpath"], br["basic"]),
-            "paper_ratio": paper.FIG10_CAPACITY_RATIO[row.label], "unloaded_jct_s": unloaded_jct_s(row, quick)}
+            "paper_ratio": paper.FIG10_CAPACITY_RATIO[row.label], "unloaded_jct_s": unloaded_jct_s(row, quick),
+            "bound": (row.prefill_nodes + row.decode_nodes) / row.prefill_nodes}  # (P+D)/P: every node's SNIC reads
 
 
 @lru_cache(maxsize=2)
