@@ -61,8 +61,9 @@ def model_notes(models: tuple[dict, ...]) -> list[str]:
     return out
 
 
-def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
-    """TTFT against APS for each simulated model, its SLO and each mode's capacity."""
+def model_figure(models: tuple[dict, ...], key: str, ylabel: str, caption: str, path: Path, decorate=None) -> list[str]:
+    """One panel per simulated model: `key` of each mode's points against APS, an x where a point
+    fails the SLO; `decorate(ax, model)` adds a panel's own lines."""
     if not models:
         return []
     import matplotlib.pyplot as plt
@@ -70,25 +71,35 @@ def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, m in zip(axes[0], models):
         for mode, pts in m["points"].items():
-            plots.mode_line(ax, [p["aps"] for p in pts], [p["ttft"]["mean"] for p in pts], mode)
-            over = [p for p in pts if not p["meets_slo"] and p["ttft"]["mean"] is not None]
-            ax.scatter([p["aps"] for p in over], [p["ttft"]["mean"] for p in over], marker="x", s=40,
-                       color=plots.color(mode), zorder=6)
-            b = m["brackets"][mode]
+            ys = [p[key]["mean"] if isinstance(p[key], dict) else p[key] for p in pts]
+            plots.mode_line(ax, [p["aps"] for p in pts], ys, mode)
+            over = [(p["aps"], y) for p, y in zip(pts, ys) if not p["meets_slo"] and y is not None]
+            ax.scatter([a for a, _ in over], [y for _, y in over], marker="x", s=40, color=plots.color(mode), zorder=6)
+        if decorate:
+            decorate(ax, m)
+        ax.set_title(f"{m['model']} on {m['cluster']} (simulated)", fontsize=10)
+        ax.set_xlabel("load (agents per emulated second, APS)")
+        ax.set_ylabel(ylabel)
+        plots.legend(ax, loc="upper left")
+    plots.caption(fig, "Simulated: the paper's clusters and lengths, the 64K set, each agent's last turns; x: fails the SLO. "
+                  + caption)
+    plots.save(fig, path)
+    return [path.name]
+
+
+def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
+    """TTFT against APS for each simulated model, its SLO and each mode's capacity."""
+    def decorate(ax, m: dict) -> None:
+        for mode, b in m["brackets"].items():
             if b.get("met"):
                 ax.axvline(b["met"], ls="-.", lw=0.9, color=plots.color(mode),
                            label=f"{plots.label(mode)}: capacity {b['met']:.3g} APS")
         plots.slo_hline(ax, paper.SLO_TTFT_S, f"SLO ({paper.SLO_TTFT_S:g} s)")
         ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_title(f"{m['model']} on {m['cluster']} (simulated)", fontsize=10)
-        ax.set_xlabel("load (agents per emulated second, APS)")
-        ax.set_ylabel("mean TTFT (s, simulated)")
-        plots.legend(ax, loc="upper left")
-    plots.caption(fig, "Simulated: the paper's clusters and lengths, the 64K set, each agent's last turns; x: fails the SLO. "
-                       f"Paper: DualPath / Basic {paper.FIG10_CAPACITY_RATIO['DS 27B']}x (DS 27B), "
-                       f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).")
-    plots.save(fig, out / "fig10_models.png")
-    return ["fig10_models.png"]
+
+    return model_figure(models, "ttft", "mean TTFT (s, simulated)",
+                        f"Paper: DualPath / Basic {paper.FIG10_CAPACITY_RATIO['DS 27B']}x (DS 27B), "
+                        f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).", out / "fig10_models.png", decorate)
 
 
 def used_of(runs: dict) -> list[UsedRun]:

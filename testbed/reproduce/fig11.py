@@ -11,7 +11,7 @@ from pathlib import Path
 from testbed.measure import plots
 from testbed.reproduce import online, online_sim
 from testbed.reproduce.common import Headline, Result
-from testbed.reproduce.fig10 import model_entry, paper_models, used_of
+from testbed.reproduce.fig10 import model_entry, model_figure, paper_models, used_of
 from testbed.reproduce.spread import sample_draws, sample_ratio_draws
 
 ID = "fig11"
@@ -71,26 +71,9 @@ def model_headlines(models: tuple[dict, ...]) -> list[Headline]:
 
 
 def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
-    if not models:
-        return []
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
-    for ax, m in zip(axes[0], models):
-        for mode, pts in m["points"].items():
-            plots.mode_line(ax, [p["aps"] for p in pts], [p["jct_mean"] for p in pts], mode)
-            over = [p for p in pts if not p["meets_slo"]]
-            ax.scatter([p["aps"] for p in over], [p["jct_mean"] for p in over], marker="x", color=plots.color(mode), s=40,
-                       zorder=6)
-        ax.set_title(f"{m['model']} on {m['cluster']} (simulated)", fontsize=10)
-        ax.set_xlabel("load (agents per emulated second, APS)")
-        ax.set_ylabel("mean JCT per agent (s, simulated)")
-        ax.set_ylim(bottom=0)
-        plots.legend(ax, loc="upper left")
-    plots.caption(fig, "Simulated: the paper's clusters and lengths, the 64K set, each agent's last turns (JCTs and APS are "
-                       "not the paper's: each agent has fewer turns); x: fails the SLO.")
-    plots.save(fig, out / "fig11_models.png")
-    return ["fig11_models.png"]
+    return model_figure(models, "jct_mean", "mean JCT per agent (s, simulated)",
+                        "JCTs and APS are not the paper's: each agent has fewer turns.", out / "fig11_models.png",
+                        lambda ax, m: ax.set_ylim(bottom=0))
 
 
 def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
