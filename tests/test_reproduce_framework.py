@@ -428,3 +428,13 @@ def test_index_lists_every_id_at_both_sizes_from_the_reports(tmp_path):
 def test_cli_all_plan_lists_every_id_and_runs_nothing():
     r = dualpath("reproduce", "all", "--quick", "--plan")
     assert r.returncode == 0 and all(f"{i}:" in r.stdout for i in IDS) and "all (quick): estimated" in r.stdout
+
+
+def test_the_index_says_a_runless_id_is_a_result_without_a_testbed_run_and_shows_simulated_values():
+    from testbed.reproduce.index import _value, _verdict
+
+    assert _verdict({"is_result": True, "faithful": None}) == "yes (no testbed run)"
+    assert _verdict({"is_result": False, "faithful": False}) == "no (not FAITHFUL)"
+    assert _verdict({"is_result": True, "faithful": True}) == "yes"
+    assert _value({"testbed": None, "simulated": 3.3377}) == "3.34 (simulated)"
+    assert _value({"testbed": 1.5}) == "1.5"

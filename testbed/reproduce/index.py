@@ -48,7 +48,8 @@ def _verdict(s: dict[str, Any]) -> str:
         ok = s["is_result"]
     else:  # reports from before is_result: FAITHFUL and complete
         ok = bool(s.get("faithful")) and bool(s.get("complete", True))
-    return ("yes" if ok else "no") + ("" if s.get("faithful") else " (not FAITHFUL)")
+    why = "" if s.get("faithful") else " (no testbed run)" if s.get("faithful", False) is None else " (not FAITHFUL)"
+    return ("yes" if ok else "no") + why
 
 
 def runs_kept(s: dict[str, Any], repo: Path) -> str:
