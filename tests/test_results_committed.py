@@ -33,7 +33,8 @@ def test_committed_result_names_its_command_and_is_faithful(path: Path):
 def is_faithful(summary: dict) -> bool:
     """A reproduce or sim summary carries one verdict; a `dualpath run` carries one per mode."""
     if "faithful" in summary:
-        return summary["faithful"] is True
+        # an id that used no testbed run (models, generators, the simulator) has no verdict: null
+        return summary["faithful"] is True or (summary["faithful"] is None and not summary.get("runs"))
     modes = summary.get("modes")
     return bool(modes) and all(m.get("faithful") is True for m in modes.values())
 
@@ -42,6 +43,7 @@ def test_a_run_with_one_unfaithful_mode_is_not_faithful():
     assert is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": True}}})
     assert not is_faithful({"modes": {"basic": {"faithful": True}, "dualpath": {"faithful": False}}})
     assert not is_faithful({"modes": {}}) and not is_faithful({"faithful": False})
+    assert is_faithful({"faithful": None, "runs": []}) and not is_faithful({"faithful": None, "runs": [{"path": "r"}]})
 
 
 def test_the_report_states_the_run_verdict_first():
