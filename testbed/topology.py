@@ -390,8 +390,8 @@ class Topology:
         return [f"HBM per engine (target bytes): prefill {budget(b.weight_bytes, b.budget_bytes)}{decode}; "
                 f"{b.decode().tokens:,} tokens (a decode batch's limit)",
                 f"largest prefill batch at a {ctx:,}-token context (the 64K MaxLen at length scale {PAPER_SCALE}): "
-                f"Basic {basic:,} tokens ({basic // (ctx + 1)} requests), Layerwise and DualPath {lw:,} tokens "
-                f"({lw // (ctx + 1)} requests)"]
+                f"Basic {basic:,} tokens ({b.largest_batch_requests(ctx, True)} requests), Layerwise and DualPath "
+                f"{lw:,} tokens ({b.largest_batch_requests(ctx, False)} requests)"]
 
     def _hosts_line(self) -> str:
         lim = self.spec.container_limits

@@ -48,14 +48,18 @@ class HbmBudget:
     decode_weight_bytes: float  # a decode GPU's weights (its group may be larger than prefill's)
     length_scale: float = 1.0  # the workload's lengths are the target's / this: so is the budget
 
+    def _room(self, weights: float) -> float:
+        """What a GPU holding `weights` has for KV, over the length scale."""
+        return (self.capacity_bytes - self.reserve_bytes - weights) / self.length_scale
+
     @property
     def budget_bytes(self) -> float:
-        """A prefill engine's room for KV: the target's budget over the length scale."""
-        return (self.capacity_bytes - self.reserve_bytes - self.weight_bytes) / self.length_scale
+        """A prefill engine's room for KV."""
+        return self._room(self.weight_bytes)
 
     @property
     def decode_budget_bytes(self) -> float:
-        return (self.capacity_bytes - self.reserve_bytes - self.decode_weight_bytes) / self.length_scale
+        return self._room(self.decode_weight_bytes)
 
     def prefill(self, whole_past: bool) -> HbmLimit:
         """A pass's limit: the whole past resident (Basic) or LAYERS_IN_FLIGHT layers of it."""
@@ -69,11 +73,14 @@ class HbmBudget:
     def plan(self, decode_cap_tokens: int | None = None) -> HbmPlan:
         return HbmPlan(self.prefill(True), self.prefill(False), self.decode(decode_cap_tokens))
 
-    def largest_batch_tokens(self, context: int, whole_past: bool) -> int:
-        """Tokens of the largest prefill batch of requests with `context` cached tokens and one
-        new token each (whole requests, as many as fit)."""
+    def largest_batch_requests(self, context: int, whole_past: bool) -> int:
+        """How many requests with `context` cached tokens and one new token each fit one pass."""
         lim = self.prefill(whole_past)
-        return int(lim.budget_bytes // lim.resident_bytes(context, 1)) * (context + 1)
+        return int(lim.budget_bytes // lim.resident_bytes(context, 1))
+
+    def largest_batch_tokens(self, context: int, whole_past: bool) -> int:
+        """Tokens of the largest prefill batch of such requests (whole requests, as many as fit)."""
+        return self.largest_batch_requests(context, whole_past) * (context + 1)
 
 
 def hbm_budget(target: Target, length_scale: float = 1.0) -> HbmBudget:

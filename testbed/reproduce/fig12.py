@@ -32,6 +32,7 @@ from testbed.reproduce import online, paper
 from testbed.reproduce.common import Headline, Result, UsedRun, jct, mean, pd_bound
 from testbed.reproduce.plan import IO_1P1D_OVERRIDES, PAPER_SCALE, Plan, RunConfig, WorkloadSpec
 from testbed.reproduce.spread import Draws, map_draws, mean_draws, ratio_draws, sample_ratio_draws
+from testbed.topology import PAPER_MAXLEN_TOKENS
 
 ID = "fig12"
 TITLE = "TTFT breakdown against APS (left) and the ablation ladder (right)"
@@ -191,8 +192,8 @@ def right(runs: dict, quick: bool) -> list[dict]:
 
 def hbm_room() -> str:
     """What one prefill pass of the HBM-bound cluster holds, in words, from its topology."""
-    b, ctx = hbm_configs(True)[0].topology_obj().hbm_budget(), 2048
-    basic, lw = (b.largest_batch_tokens(ctx, whole) // (ctx + 1) for whole in (True, False))
+    b, ctx = hbm_configs(True)[0].topology_obj().hbm_budget(), PAPER_MAXLEN_TOKENS // PAPER_SCALE
+    basic, lw = (b.largest_batch_requests(ctx, whole) for whole in (True, False))
     return (f"at a {ctx:,}-token context a Basic pass holds {basic} requests, every layer of their past resident; "
             f"Layer Blocks hold {LAYERS_IN_FLIGHT} of {b.n_layers} layers at a time: {lw}")
 
