@@ -11,6 +11,7 @@ out. The headline is the highest APS meeting the SLO per mode, bracketed by bise
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from testbed.measure import plots
 from testbed.reproduce import online, online_sim, paper, paper_rows
@@ -61,9 +62,10 @@ def model_notes(models: tuple[dict, ...]) -> list[str]:
     return out
 
 
-def model_figure(models: tuple[dict, ...], key: str, ylabel: str, caption: str, path: Path, decorate=None) -> list[str]:
-    """One panel per simulated model: `key` of each mode's points against APS, an x where a point
-    fails the SLO; `decorate(ax, model)` adds a panel's own lines."""
+def model_figure(models: tuple[dict, ...], value: Callable[[dict], float | None], ylabel: str, caption: str,
+                 path: Path, decorate: Callable | None = None) -> list[str]:
+    """One panel per simulated model: `value` of each mode's points against APS, an x where a
+    point fails the SLO; `decorate(ax, model)` adds a panel's own lines."""
     if not models:
         return []
     import matplotlib.pyplot as plt
@@ -71,7 +73,7 @@ def model_figure(models: tuple[dict, ...], key: str, ylabel: str, caption: str, 
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, m in zip(axes[0], models):
         for mode, pts in m["points"].items():
-            ys = [p[key]["mean"] if isinstance(p[key], dict) else p[key] for p in pts]
+            ys = [value(p) for p in pts]
             plots.mode_line(ax, [p["aps"] for p in pts], ys, mode)
             over = [(p["aps"], y) for p, y in zip(pts, ys) if not p["meets_slo"] and y is not None]
             ax.scatter([a for a, _ in over], [y for _, y in over], marker="x", s=40, color=plots.color(mode), zorder=6)
@@ -97,7 +99,7 @@ def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
         plots.slo_hline(ax, paper.SLO_TTFT_S, f"SLO ({paper.SLO_TTFT_S:g} s)")
         ax.set_yscale("log")  # TTFTs span 0.1 s to past the SLO
 
-    return model_figure(models, "ttft", "mean TTFT (s, simulated)",
+    return model_figure(models, lambda p: p["ttft"]["mean"], "mean TTFT (s, simulated)",
                         f"Paper: DualPath / Basic {paper.FIG10_CAPACITY_RATIO['DS 27B']}x (DS 27B), "
                         f"{paper.FIG10_CAPACITY_RATIO['DS 660B']}x (DS 660B).", out / "fig10_models.png", decorate)
 

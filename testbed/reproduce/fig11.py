@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.measure import plots
-from testbed.reproduce import online, online_sim
+from testbed.reproduce import online
 from testbed.reproduce.common import Headline, Result
 from testbed.reproduce.fig10 import model_entry, model_figure, paper_models, used_of
+from testbed.reproduce.fig10 import plan as fig10_plan
 from testbed.reproduce.spread import sample_draws, sample_ratio_draws
 
 ID = "fig11"
@@ -19,10 +20,10 @@ TITLE = "Online average JCT against APS"
 
 
 def plan(quick: bool = False):
+    """fig10's runs and simulated models, under this id."""
     from dataclasses import replace
 
-    p = online.online_plan(ID, quick)
-    return replace(p, notes=[*p.notes, online_sim.PLAN_NOTE])
+    return replace(fig10_plan(quick), id=ID)
 
 
 def render(cur: dict, caps: dict, out: Path) -> list[str]:
@@ -71,7 +72,7 @@ def model_headlines(models: tuple[dict, ...]) -> list[Headline]:
 
 
 def render_models(models: tuple[dict, ...], out: Path) -> list[str]:
-    return model_figure(models, "jct_mean", "mean JCT per agent (s, simulated)",
+    return model_figure(models, lambda p: p["jct_mean"], "mean JCT per agent (s, simulated)",
                         "JCTs and APS are not the paper's: each agent has fewer turns.", out / "fig11_models.png",
                         lambda ax, m: ax.set_ylim(bottom=0))
 
