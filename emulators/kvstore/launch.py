@@ -38,8 +38,9 @@ class ServerProcess:
         """`block_bytes`: the one block size the server accepts (0: any up to its maximum);
         a run passes its Full Block size so a put of any other size is refused. `module`: the
         server to run (emulators.mooncake_store for a Mooncake Store storage host). `wrap`: the
-        whole command line made into the one that runs it where the server lives (the testbed's Fabric.exec_argv: in a namespace here, or over SSH on another
-        server, whose python it picks). `root_here`: False when `root` is on another server (the
+        whole command line made into the one that runs it where the server lives (the testbed's
+        Fabric.exec_argv: in a namespace here, or over SSH on another server, whose python it
+        picks). `root_here`: False when `root` is on another server (the
         server makes it there)."""
         self.root = Path(root)
         self.root_here = root_here
