@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from typing import Any
 
 import simpy
 
@@ -109,6 +110,7 @@ class _Engine:
         self.cnic_rx = sim.shaped(Link(f"{name}/cnic/rx", cfg.cnic_bps, qos=cfg.qos), "cnic")
         self.cnic_tx = sim.shaped(Link(f"{name}/cnic/tx", cfg.cnic_bps, qos=cfg.qos), "cnic")
         self.load = EngineLoad(cfg.hbm_tokens if role is Role.DECODE else 0)
+        self.last_report: tuple[tuple[int, int], Any] | None = None  # ((load version, read_q), report)
 
 
 class _DecodeJob:

@@ -35,7 +35,7 @@ def test_offline_scale_runs_do_not_start_their_copies_in_lockstep(tiny):
 
 @pytest.fixture
 def tiny(monkeypatch):
-    monkeypatch.setattr(scale, "AGENTS_PER_PE_NODE", {True: 1, False: 1})
+    monkeypatch.setattr(scale, "AGENTS_PER_PE_NODE", 1)
 
 
 def test_table3_projects_near_linear_scaling_and_the_scheduler_cost(tiny, tmp_path):
@@ -59,7 +59,27 @@ def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
     assert sum(s["prompt_tps"]) * w == pytest.approx(sum(r.n_prompt for r in res.records), rel=1e-9)
     assert all(v is None or v > 0 for v in s["ttft_mean_s"])
     r = fig15.reproduce({}, tmp_path, quick=True)
-    assert (tmp_path / "fig15.png").exists() and r.headline[0].testbed > 0
+    assert (tmp_path / "fig15.png").exists()
+    v = fig15.headline_values(r.data["series"])  # the headline is the plotted series'
+    assert [h.testbed for h in r.headline[:3]] == [v["steady_tps"], v["first_ttft"], v["median_ttft"]]
+    assert v["first_ttft"] > 0 and r.data["summary"]["requests_per_wall_s"] > 0
     heads = r.summary("test", True, None)["headline"]
-    assert all(h["testbed"] is None and "simulated" in h for h in heads) and heads[0]["simulated"] > 0
+    assert all(h["testbed"] is None and "simulated" in h for h in heads) and heads[1]["simulated"] > 0
     assert "(simulated)" in "\n".join(r.report_lines("test"))
+
+
+def test_fig15_headline_reads_the_series_it_plots():
+    """A series with a known answer: the middle half's mean rate and the first and median TTFTs."""
+    n = fig15.BINS
+    s = {"t_s": list(range(n)), "prompt_tps": [100.0 if n // 4 <= i < 3 * n // 4 else 7.0 for i in range(n)],
+         "ttft_mean_s": [30.0, None, 5.0, 12.0] + [None] * (n - 4)}
+    assert fig15.headline_values(s) == {"steady_tps": 100.0, "first_ttft": 30.0, "median_ttft": 12.0}
+
+
+def test_paper_agents_join_their_trajectories_with_the_context_before_stored():
+    full, _ = scale.paper_agents(40, 10 ** 6, 1.0, seed=3)
+    cut, wcfg = scale.paper_agents(40, 2, 1.0, seed=3)
+    assert wcfg.max_len == 64 * 1024 and len(cut) == 40
+    assert all(1 <= len(c.turns) <= 2 and c.turns == f.turns[:len(c.turns)] for c, f in zip(cut, full))
+    assert any(c.system_prompt_len > wcfg.system_prompt_len for c in cut)  # some joined past their first turn
+    assert cut == scale.paper_agents(40, 2, 1.0, seed=3)[0]

@@ -46,18 +46,26 @@ class EngineLoad:
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}
         self._finished_early: set[str] = set()
+        self._tok = 0  # sum of _pending's values, kept as they change (a report reads it)
+        self.version = 0  # counts changes to what report() returns (a simulator reuses reports)
 
     def assigned(self, request: str, tokens: int) -> None:
         with self._lock:
             if request in self._finished_early:
                 self._finished_early.discard(request)
             else:
+                self._tok += tokens - self._pending.get(request, 0)
                 self._pending[request] = tokens
+                self.version += 1
 
     def finished(self, request: str) -> None:
         with self._lock:
-            if self._pending.pop(request, None) is None:
+            tokens = self._pending.pop(request, None)
+            if tokens is None:
                 self._finished_early.add(request)
+            else:
+                self._tok -= tokens
+                self.version += 1
 
     def pending(self) -> dict[str, int]:
         """The requests given and not finished (token counts): empty once a mode has drained."""
@@ -66,7 +74,7 @@ class EngineLoad:
 
     def report(self) -> dict[str, int]:
         with self._lock:
-            tok = sum(self._pending.values())
+            tok = self._tok
             return {"seq_e": len(self._pending), "tok_e": tok, "free_hbm_tokens": max(0, self.hbm_tokens - tok)}
 
 

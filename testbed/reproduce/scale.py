@@ -1,22 +1,27 @@
 """The simulated scale runs shared by table3 and fig15 (DESIGN.md section 9): the paper's 2P4D,
-48P96D and 44P88D clusters (topologies/sim/) in the target's own time, the simulator uncalibrated
-(no testbed host: latencies of the target's links and GPUs only).
+48P96D and 44P88D clusters (topologies/sim/) serving its model, DS 660B (DeepSeek-V3.2 on H800),
+in the target's own time, the simulator uncalibrated (no testbed host: latencies of the target's
+links and GPUs only).
 
-Scale-down, documented: the paper's 2K agents at 2P4D and 48K at 48P96D (1,000 per prefill node;
-Table 3) become AGENTS_PER_PE_NODE agents per prefill node, the same for every cluster, so
-48P96D carries 24x the agents of 2P4D as in the paper: 24 copies of 2P4D's agents (replicate);
-each agent runs the demo workload
-(dualpath.workload.demo_workload: about 10 turns reading back ~100x what they generate, the
-paper's trace shape at short lengths), because the simulator's cost grows with requests x
-groups (every DE group's leader wakes on each routed request, as the testbed's doorbell does).
-Offline, every agent starts at a seeded uniform offset in [0, START_STAGGER_S) target seconds
-(stagger), in every cluster alike. Exact copies started in the same instant stay in lockstep:
-each turn then reaches the scheduler as a burst of `copies` identical requests, which no trace
-of independent agents produces, and requests wait longer on the prefill and decode engines the
-larger the cluster (the bursts grow with it). In lockstep, `dualpath reproduce table3` gave a JCT
-ratio of 1.197 (at e374668), the agents' mean JCT rising with it; 20 ms, about half a prefill
-pass of the demo workload, is enough to break the lockstep while the start stays one burst of
-work.
+The paper's load, and what is scaled down (issue 38, item 5):
+* agents: the paper's AGENTS_PER_PE_NODE = 1,000 per prefill node (2K on 2P4D, 48K on 48P96D;
+  Table 3), so that every engine's queue is as deep as the paper's;
+* lengths: the 64K trace set at the paper's lengths (scale 1; dualpath.workload presets);
+* turns: TURNS turns of each agent, not its whole trajectory. The paper's offline run is 3,201 s
+  of the target's time, about 60 turns per agent, millions of requests at 48P96D; the simulator
+  does a few hundred requests per wall second at this size (every pull of the one PE group
+  gathers its 384 engines' reports). So each agent joins its trajectory at a seeded uniform turn,
+  its earlier context in the store (its first request reads it back, as any later turn does):
+  the agents' contexts are spread over their trajectories as in the paper's steady phase (its
+  900 to 2,400 s), and every agent arrives at once, its turns queueing behind the others'. The
+  JCTs are of these few turns, not comparable with the paper's; TTFT and prompt throughput are.
+
+48P96D carries 24 copies of 2P4D's agents (replicate), so that perfectly linear scaling keeps the
+JCT exactly (independent draws would grow the makespan with their tail). Offline, every agent
+starts at a seeded uniform offset in [0, START_STAGGER_S) target seconds (stagger), in every
+cluster alike: exact copies started in the same instant stay in lockstep, each turn then reaching
+the scheduler as a burst of `copies` identical requests, which no trace of independent agents
+produces (in lockstep `dualpath reproduce table3` gave a JCT ratio of 1.197 at e374668).
 Online, 2P4D is offered 60 % of the agents per second it served offline, and 44P88D 22x that.
 """
 from __future__ import annotations
@@ -27,13 +32,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dualpath.workload import demo_workload, poisson_arrivals
+from dualpath.workload import WorkloadConfig, poisson_arrivals
+from dualpath.workload.spec import WorkloadSpec
 from simulator.agents import TrajectorySpec
 from testbed.sim.drive import SimResult, sim_config, simulate, trajectories, summarize
-from testbed.topology import Topology, load_topology
+from testbed.topology import Topology
 
 SIM_TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies" / "sim"
-AGENTS_PER_PE_NODE = {False: 25, True: 5}  # full, --quick
+MODEL = "deepseek-v3.2"  # the paper's Table 3 and Figure 15 (DS 660B on 2P4D and up)
+PRESET = "64K"  # the trace set, at the paper's lengths
+AGENTS_PER_PE_NODE = 1000  # the paper's: 2K agents on 2P4D, 48K on 48P96D
+TURNS = {False: 2, True: 1}  # each agent's first turns: full, --quick (see the docstring)
 BASE_PREFILL_NODES = 2  # 2P4D: every cluster's agents are copies of its agents
 START_STAGGER_S = 0.02  # offline start offsets, target seconds (see the docstring)
 ONLINE_LOAD = 0.6  # 2P4D's offered APS as a share of its offline throughput
@@ -42,6 +51,14 @@ PAPER = {"offline": {"2p4d-paper": {"agents": 2000, "jct_s": 3167.0}, "48p96d": 
          "online": {"2p4d-paper": {"aps": 0.4, "ttft_s": 1.739}, "44p88d": {"aps": 8.8, "ttft_s": 1.847}},
          "scheduler_cores_below": 10.0}
 SOURCE = "shared/reference/dualpath-paper-notes.txt (Large-Scale Scalability) and the article, section 5.5"
+
+
+def scale_down(quick: bool) -> str:
+    """What table3 and fig15 run instead of the paper's whole offline run, in one line."""
+    t = TURNS[quick]
+    return (f"simulated (no testbed run): DS 660B, the paper's {AGENTS_PER_PE_NODE:,} agents per prefill node and the "
+            f"{PRESET} set's lengths, {t} turn{'s' if t > 1 else ''} per agent from a seeded point of its trajectory "
+            "(its earlier context stored); see testbed/reproduce/scale.py")
 
 
 def replicate(trajs: list[TrajectorySpec], copies: int) -> list[TrajectorySpec]:
@@ -59,23 +76,43 @@ def stagger(trajs: list[TrajectorySpec], window_s: float, seed: int = 0) -> list
     return [replace(t, arrival_s=t.arrival_s + rng.uniform(0.0, window_s)) for t in trajs]
 
 
-def topology(name: str) -> Topology:
-    return load_topology(SIM_TOPOLOGIES / f"{name}.yaml", carried=False)
+def topology(name: str, model: str = MODEL) -> Topology:
+    """topologies/sim/NAME.yaml serving `model` on H800s."""
+    return _serving(SIM_TOPOLOGIES / f"{name}.yaml", model)
 
 
 def paper_cluster(prefill_nodes: int, decode_nodes: int, model: str) -> Topology:
     """The paper's nodes (2p4d-paper.yaml: 8 H800s with a 400 Gbit/s CNIC each, one 400 Gbit/s
     SNIC per node, a storage tier wider than the SNICs) as a PxD cluster serving `model`: the
     paper's DS 660B on 2P4D, DS 27B on 1P1D and Qwen2.5-32B on 1P2D."""
+    return _serving(SIM_TOPOLOGIES / "2p4d-paper.yaml", model, prefill_nodes, decode_nodes)
+
+
+def _serving(path: Path, model: str, prefill_nodes: int | None = None, decode_nodes: int | None = None) -> Topology:
     import yaml
 
     from testbed.topology import parse_topology
 
-    path = SIM_TOPOLOGIES / "2p4d-paper.yaml"
     raw = yaml.safe_load(path.read_text())
-    raw.update(name=f"{prefill_nodes}p{decode_nodes}d-paper-{model}", prefill_nodes=prefill_nodes,
-               decode_nodes=decode_nodes, target={"gpu": "h800", "model": model})
-    return parse_topology(raw, source=f"{path} as {prefill_nodes}P{decode_nodes}D of {model}", carried=False)
+    p, d = prefill_nodes or raw["prefill_nodes"], decode_nodes or raw["decode_nodes"]
+    resized = (p, d) != (raw["prefill_nodes"], raw["decode_nodes"])
+    raw.update(name=f"{p}p{d}d-paper-{model}" if resized else raw["name"], prefill_nodes=p, decode_nodes=d,
+               target={"gpu": "h800", "model": model})
+    return parse_topology(raw, source=f"{path} as {p}P{d}D of {model}", carried=False)
+
+
+def paper_agents(n: int, turns: int, dilation: float, seed: int = 0) -> tuple[list[TrajectorySpec], WorkloadConfig]:
+    """`n` agents of the PRESET trace set at the paper's lengths, each joining its trajectory at a
+    seeded uniform turn with the context before it stored, for `turns` turns, all starting at 0;
+    and the workload they were drawn from."""
+    wcfg = WorkloadSpec(preset=PRESET, scale=1, agents=n, seed=seed).config()
+    rng = random.Random(seed)
+    out = []
+    for t in trajectories(wcfg, dilation):
+        join = rng.randrange(len(t.turns))
+        out.append(replace(t, system_prompt_len=t.system_prompt_len + sum(a + g for a, g in t.turns[:join]),
+                           turns=tuple(t.turns[join:join + turns])))
+    return out, wcfg
 
 
 def run_one(name: str, quick: bool, aps: float | None = None, progress: Callable[[str], None] = print,
@@ -85,11 +122,11 @@ def run_one(name: str, quick: bool, aps: float | None = None, progress: Callable
     copies = topo.spec.prefill_nodes / BASE_PREFILL_NODES
     if copies != int(copies):
         raise ValueError(f"{name}: {topo.spec.prefill_nodes} prefill nodes is not a multiple of {BASE_PREFILL_NODES}")
-    base = demo_workload(n_trajectories=AGENTS_PER_PE_NODE[quick] * BASE_PREFILL_NODES)
     cfg = sim_config(topo, units="target", pe_groups=PE_GROUPS)
-    trajs = replicate(trajectories(base, cfg.dilation), int(copies))
+    base, wcfg = paper_agents(AGENTS_PER_PE_NODE * BASE_PREFILL_NODES, TURNS[quick], cfg.dilation)
+    trajs = replicate(base, int(copies))
     n = len(trajs)
-    wcfg = replace(base, n_trajectories=n)
+    wcfg = replace(wcfg, n_trajectories=n)
     if aps:  # the Poisson process over every agent, as the testbed's online runs draw it
         arr = poisson_arrivals(n, aps, 0)
         trajs = [replace(t, arrival_s=a * cfg.dilation) for t, a in zip(trajs, arr)]
@@ -98,8 +135,10 @@ def run_one(name: str, quick: bool, aps: float | None = None, progress: Callable
     t = time.perf_counter()
     res = simulate(cfg, trajs, [mode])
     summ = summarize(res, cfg, topo, wcfg, "target")["modes"][mode]
-    summ["agents"], summ["aps"], summ["sim_wall_s"] = n, aps, round(time.perf_counter() - t, 1)
+    wall = time.perf_counter() - t
+    summ["agents"], summ["aps"], summ["sim_wall_s"] = n, aps, round(wall, 1)
+    summ["requests_per_wall_s"] = round(summ["requests"] / wall)
     progress(f"  {name}: {n} agents{f' at {aps:.4g} APS' if aps else ''}: JCT {summ['jct_s']:.4g} s, TTFT p50 "
              f"{summ['ttft_s']['p50']}, scheduler {summ['scheduler']['cores_at_cluster_speed']} cores "
-             f"({summ['sim_wall_s']} s to simulate)")
+             f"({summ['sim_wall_s']} s to simulate, {summ['requests_per_wall_s']} requests per second)")
     return res[mode], summ

@@ -24,9 +24,7 @@ SCALING_TOLERANCE = 0.10
 
 
 def plan(quick: bool = False) -> Plan:
-    n = scale.AGENTS_PER_PE_NODE[quick]
-    return Plan(ID, quick, [], scale_down=f"simulated (no testbed run); {n} agents per prefill node (the paper: 1,000), "
-                                         "the demo workload per agent; see testbed/reproduce/scale.py")
+    return Plan(ID, quick, [], scale_down=scale.scale_down(quick))
 
 
 def analyze(quick: bool = False, progress=print) -> dict:
@@ -65,14 +63,17 @@ def reproduce(runs: dict, out: Path, quick: bool = False) -> Result:
              f"Offline, every agent starts within the first {scale.START_STAGGER_S * 1e3:.0f} ms (seeded, every "
              "cluster alike): exact copies started in the same instant run in lockstep (testbed/reproduce/scale.py).",
              f"Online: 2P4D offered {a['aps_2p4d']:.4g} APS ({scale.ONLINE_LOAD:.0%} of its offline agents per second), "
-             f"44P88D 22x that; the paper's absolute APS are for its 64K traces, ours for the demo workload.",
-             "Absolute JCTs are not comparable with the paper's: the agents are fewer and shorter (scale-down); the "
-             "ratios are what the table claims.",
+             f"44P88D 22x that; the paper's absolute APS are for whole trajectories, ours for {scale.TURNS[quick]} turn(s) "
+             "per agent.",
+             "Absolute JCTs are not comparable with the paper's: each agent runs a few of its turns (scale-down); "
+             "the ratios are what the table claims.",
              "Scheduler cost: wall seconds inside dualpath.scheduler.core per simulated second, on this machine's "
              "CPU, single-threaded Python; the paper's scheduler is its own implementation.",
              f"Paper numbers: {scale.SOURCE}.",
-             *[f"{k}: {v['agents']} agents, {v['requests']} requests, simulated in {v['sim_wall_s']} s" for k, v in off.items()],
-             *[f"{k} online: {v['agents']} agents at {v['aps']:.4g} APS, simulated in {v['sim_wall_s']} s" for k, v in on.items()]]
+             *[f"{k}: {v['agents']:,} agents, {v['requests']:,} requests, simulated in {v['sim_wall_s']} s "
+               f"({v['requests_per_wall_s']} per wall second)" for k, v in off.items()],
+             *[f"{k} online: {v['agents']:,} agents at {v['aps']:.4g} APS, simulated in {v['sim_wall_s']} s "
+               f"({v['requests_per_wall_s']} per wall second)" for k, v in on.items()]]
     return Result(ID, TITLE, heads, [], data={"offline": off, "online": on, "jct_ratio": ratio,
                                              "agent_jct_ratio": agent_ratio,
                                              "paper_jct_ratio": paper_ratio, "scaling_within_tolerance": within,
