@@ -61,7 +61,7 @@ def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
     r = fig15.reproduce({}, tmp_path, quick=True)
     assert (tmp_path / "fig15.png").exists()
     v = fig15.headline_values(r.data["series"])  # the headline is the plotted series'
-    assert [h.testbed for h in r.headline[:3]] == [v["steady_tps"], v["first_ttft"], v["median_ttft"]]
+    assert [h.testbed for h in r.headline[:3]] == [v["phase_tps"], v["first_ttft"], v["later_ttft"]]
     assert v["first_ttft"] > 0 and r.data["summary"]["requests_per_wall_s"] > 0
     heads = r.summary("test", True, None)["headline"]
     assert all(h["testbed"] is None and "simulated" in h for h in heads) and heads[1]["simulated"] > 0
@@ -69,11 +69,14 @@ def test_fig15_series_count_every_prompt_token(tiny, tmp_path):
 
 
 def test_fig15_headline_reads_the_series_it_plots():
-    """A series with a known answer: the middle half's mean rate and the first and median TTFTs."""
+    """A series with a known answer: a burst of prefill (bins 2-5, one of them dipping under half
+    the peak but inside the phase), then a drain."""
     n = fig15.BINS
-    s = {"t_s": list(range(n)), "prompt_tps": [100.0 if n // 4 <= i < 3 * n // 4 else 7.0 for i in range(n)],
-         "ttft_mean_s": [30.0, None, 5.0, 12.0] + [None] * (n - 4)}
-    assert fig15.headline_values(s) == {"steady_tps": 100.0, "first_ttft": 30.0, "median_ttft": 12.0}
+    tps = [10.0, 20.0, 100.0, 80.0, 40.0, 60.0, 30.0] + [1.0] * (n - 7)
+    ttft = [9.0, None, 5.0, 12.0, 14.0, 20.0, 0.5] + [None] * (n - 7)
+    s = {"t_s": list(range(n)), "prompt_tps": tps, "ttft_mean_s": ttft}
+    assert fig15.loaded_bins(s) == [2, 3, 4, 5]
+    assert fig15.headline_values(s) == {"phase_tps": 70.0, "phase_bins": 4, "first_ttft": 9.0, "later_ttft": 14.0}
 
 
 def test_paper_agents_join_their_trajectories_with_the_context_before_stored():
