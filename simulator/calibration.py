@@ -34,8 +34,10 @@ is left are costs of the testbed's implementation that no model of the target pr
                   mean of the max), and round-robin's path draws follow the order of events.
 
 The host's CPU. The testbed's processes share a few cores with the NICs' emulation, and every
-latency above stretches as they fill: a latency is its calibrated value times 1 / (1 - U), U the
-share of the cores busy over the last `cpu_window_s`, predicted as the testbed's CPU was measured
+latency above stretches as they fill: a latency is its calibrated value times an M/M/c queue's
+response factor (parts.queue_stretch: 1 / (1 - U^2) on two cores; it was 1 / (1 - U), one core's,
+which made every latency of the held-out runs at U ~ 0.6 too long), U the share of the cores busy
+over the last `cpu_window_s`, predicted as the testbed's CPU was measured
 to go (cores busy = cpu_base + cpu_per_compute x the engines' compute seconds per second +
 cpu_per_mbps x KV MB per second over all NICs), the engines' compute from their own logs (a pass:
 pass_cpu = (s, per request, per predicted emulated second); a decode step: step_cpu likewise).

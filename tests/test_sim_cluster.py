@@ -381,3 +381,12 @@ def test_an_idle_shaped_link_sends_its_htb_bucket_at_once_and_refills_at_its_rat
     assert took[6:] == [1.1, 0.45]  # the first flow, then the layered READs
     # every byte is counted on the link, burst or not
     assert sim.net.net.delivered[link] == pytest.approx(1000 * 3 + 250 + 200 + 1000 + 100 + 1000)
+
+
+def test_the_host_stretch_is_an_m_m_c_queues_response_factor():
+    from simulator.parts import queue_stretch
+    assert queue_stretch(0.0, 2) == 1.0
+    for u in (0.1, 0.5, 0.63, 0.9):
+        assert queue_stretch(u, 1) == pytest.approx(1 / (1 - u))  # M/M/1
+        assert queue_stretch(u, 2) == pytest.approx(1 / (1 - u * u))  # M/M/2, in closed form
+        assert 1 < queue_stretch(u, 8) < queue_stretch(u, 2) < queue_stretch(u, 1)  # more cores, less waiting
