@@ -48,7 +48,8 @@ def loaded_bins(s: dict) -> list[int]:
     a drain of decodes (about two thirds of 48P96D's full-size run), so a fixed share of the run,
     such as its middle half, would measure the drain."""
     tps = s["prompt_tps"]
-    hot = [i for i, v in enumerate(tps) if tps and v >= LOADED_SHARE * max(tps) > 0]
+    peak = max(tps, default=0.0)
+    hot = [i for i, v in enumerate(tps) if peak > 0 and v >= LOADED_SHARE * peak]
     return list(range(hot[0], hot[-1] + 1)) if hot else []
 
 
