@@ -3,7 +3,7 @@ replayed trace's (each turn its own prompt, named by its Full Blocks' keys)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class TrajectorySpec:
     @property
     def n_requests(self) -> int:
         return len(self.trace_turns) if self.trace_turns is not None else len(self.turns)
+
+    def joined_at(self, turn: int, turns: int | None = None) -> "TrajectorySpec":
+        """The agent from its `turn`-th turn on (`turns` of them; None: the rest), the context
+        before it folded into its stored prefix: its first request reads it all back."""
+        earlier = sum(a + g for a, g in self.turns[:turn])
+        end = None if turns is None else turn + turns
+        return replace(self, system_prompt_len=self.system_prompt_len + earlier, turns=tuple(self.turns[turn:end]))
 
 
 def context_keys(trajectory: int, shared_blocks: int, n_blocks: int) -> list[int]:

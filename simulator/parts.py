@@ -33,7 +33,7 @@ def queue_stretch(u: float, servers: int) -> float:
 
 class _HostCpu:
     """The testbed host's CPU (calibration.py): cores busy over a sliding window, from the engines'
-    compute and the KV bytes the NICs move, and the stretch 1 / (1 - U) it gives latencies."""
+    compute and the KV bytes the NICs move, and the stretch it gives latencies (queue_stretch)."""
 
     BUCKETS = 20
     U_MAX = 0.9

@@ -52,18 +52,12 @@ def _cluster(row: PaperRow):
 def agent_tails(agents: int, quick: bool, dilation: float, aps: float | None, seed: int):
     """The 64K set's agents at the paper's lengths, each cut to its last KEEP_TURNS turns with the
     context before them as its stored prefix; Poisson arrivals at `aps` (None: all at once)."""
-    from dataclasses import replace
-
     from testbed.reproduce.plan import WorkloadSpec
     from testbed.sim.drive import trajectories
 
     wl = WorkloadSpec(preset=PRESET, scale=1, agents=agents, seed=seed).config()
-    out = []
-    for t in trajectories(wl, dilation, aps=aps, arrival_seed=seed):
-        cut = max(0, len(t.turns) - KEEP_TURNS[quick])
-        out.append(replace(t, system_prompt_len=t.system_prompt_len + sum(a + g for a, g in t.turns[:cut]),
-                           turns=tuple(t.turns[cut:])))
-    return out
+    return [t.joined_at(max(0, len(t.turns) - KEEP_TURNS[quick]))
+            for t in trajectories(wl, dilation, aps=aps, arrival_seed=seed)]
 
 
 def sim_requests(records, dilation: float) -> list[dict[str, Any]]:

@@ -107,12 +107,7 @@ def paper_agents(n: int, turns: int, dilation: float, seed: int = 0) -> tuple[li
     and the workload they were drawn from."""
     wcfg = WorkloadSpec(preset=PRESET, scale=1, agents=n, seed=seed).config()
     rng = random.Random(seed)
-    out = []
-    for t in trajectories(wcfg, dilation):
-        join = rng.randrange(len(t.turns))
-        out.append(replace(t, system_prompt_len=t.system_prompt_len + sum(a + g for a, g in t.turns[:join]),
-                           turns=tuple(t.turns[join:join + turns])))
-    return out, wcfg
+    return [t.joined_at(rng.randrange(len(t.turns)), turns) for t in trajectories(wcfg, dilation)], wcfg
 
 
 def run_one(name: str, quick: bool, aps: float | None = None, progress: Callable[[str], None] = print,
